@@ -578,15 +578,15 @@ static void test_header_length_beyond_file(void **state)
 
     write_le64(buf, 1ull << 63);
     assert_int_equal(st_parse(buf, len, &f, err, sizeof err), -1);
-    assert_string_equal(err, "header length 9223372036854775808 exceeds the 104857600-byte limit");
+    assert_string_equal(err, "header length 9223372036854775808 exceeds the 16777216-byte limit");
 
     write_le64(buf, UINT64_MAX);
     assert_int_equal(st_parse(buf, len, &f, err, sizeof err), -1);
-    assert_mentions(err, "header length 18446744073709551615 exceeds the 104857600-byte limit");
+    assert_mentions(err, "header length 18446744073709551615 exceeds the 16777216-byte limit");
 
     write_le64(buf, ST_MAX_HEADER_BYTES + 1ull);
     assert_int_equal(st_parse(buf, len, &f, err, sizeof err), -1);
-    assert_mentions(err, "header length 104857601 exceeds the 104857600-byte limit");
+    assert_mentions(err, "header length 16777217 exceeds the 16777216-byte limit");
     assert_null(f);
     free(buf);
 }

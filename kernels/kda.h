@@ -1,0 +1,146 @@
+/*
+ * kda.h - the prefill contract between kdad and every KDA backend.
+ *
+ * One call runs a packed, variable-length prefill of Kimi Delta Attention
+ * (../docs/KDA.md: the exact math) for any number of sequences.  Each
+ * sequence names its own tensors (so sequences may live in one packed buffer
+ * or in different buffers), its length, its layer weights and a slot of the
+ * state pool.  The slot is both the initial and the final state: backends
+ * update it in place.
+ *
+ * Backends: the float64 oracle (kda_ref.h, tests only), the CPU backend
+ * (kda_cpu.h) and the fused Hopper kernel (kda_cuda.h).  The structs below
+ * are plain data with no host-only members, so the CUDA backend reads the
+ * same kda_seq array from device memory.
+ *
+ * Shapes (D = KDA_HEAD_DIM = 128, H = pool->heads, token stride H * D):
+ *   q, k, v, g, out   bf16 [len][H][D]
+ *   beta              bf16 [len][H]
+ *   A_log             fp32 [H]
+ *   dt_bias           fp32 [H][D]
+ *   pool state        bf16 or fp32 [slots][H][D(v)][D(k)]  (V-major)
+ */
+#ifndef KDA_H
+#define KDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KDA_HEAD_DIM 128           /* D = K = V; the only supported size */
+#define KDA_MAX_HEADS 128          /* H per pool */
+#define KDA_LOWER_BOUND_MIN (-5.0f) /* gate floor range is [-5, 0) */
+#define KDA_NORM_EPS 1e-6f         /* eps inside the sqrt of the q/k L2 norm */
+#define KDA_ERRMSG_MAX 256
+
+/* Status codes: 0 is success, failures are negative. */
+typedef enum kda_status {
+    KDA_OK = 0,
+    KDA_EINVAL = -1,   /* an argument is out of its documented range */
+    KDA_ENOMEM = -2,   /* host or device allocation failed */
+    KDA_EDEVICE = -3,  /* the GPU reported an error; the context may be lost */
+    KDA_ENOTSUP = -4,  /* the backend cannot run this (e.g. no GPU) */
+} kda_status;
+
+/* Error detail filled by every call that can fail; pass NULL to ignore. */
+typedef struct kda_error {
+    int code;                   /* a kda_status */
+    char msg[KDA_ERRMSG_MAX];   /* one human-readable sentence */
+} kda_error;
+
+typedef enum kda_dtype {
+    KDA_DTYPE_BF16 = 0,
+    KDA_DTYPE_F32 = 1,
+} kda_dtype;
+
+/*
+ * Per-layer weights.  For the CUDA backend the pointers are device pointers
+ * and the struct itself lives in device memory (kda_seq.layer points at it).
+ */
+typedef struct kda_layer {
+    const float *A_log;     /* [H] */
+    const float *dt_bias;   /* [H][D] */
+    float lower_bound;      /* gate floor: finite, in [-5, 0) */
+    float scale;            /* output scale, finite (normally 1/sqrt(D)) */
+} kda_layer;
+
+/* kda_seq.flags */
+#define KDA_SEQ_ZERO_STATE 0x1u   /* start from a zero state, ignoring the slot's contents */
+
+/*
+ * One sequence of a batch.  All tensors share the pool's H; tokens are
+ * strided by H * D elements (H for beta).  len == 0 leaves the slot unchanged
+ * (unless KDA_SEQ_ZERO_STATE, which then zeroes it) and reads no tensor.
+ */
+typedef struct kda_seq {
+    const uint16_t *q;        /* bf16 [len][H][D] raw query (L2-normalised inside) */
+    const uint16_t *k;        /* bf16 [len][H][D] raw key (L2-normalised inside) */
+    const uint16_t *v;        /* bf16 [len][H][D] value */
+    const uint16_t *g;        /* bf16 [len][H][D] gate pre-activation */
+    const uint16_t *beta;     /* bf16 [len][H] write-strength logit */
+    uint16_t *out;            /* bf16 [len][H][D] output, written */
+    const kda_layer *layer;   /* layer weights (same memory space as the tensors) */
+    int64_t len;              /* tokens, >= 0 */
+    int64_t slot;             /* pool slot, in [0, pool->slots) and unique in the batch */
+    uint32_t flags;           /* KDA_SEQ_* */
+    uint32_t reserved;        /* must be 0 */
+} kda_seq;
+
+/* The state pool: [slots][H][D][D], V-major: (s,h,v,k) at ((s*H+h)*D+v)*D+k. */
+typedef struct kda_pool {
+    void *state;        /* host memory for the CPU backend, device memory for CUDA */
+    kda_dtype dtype;
+    int32_t heads;      /* H, 1..KDA_MAX_HEADS */
+    int64_t slots;
+} kda_pool;
+
+/* Elements of one slot's state: H * D * D. */
+static inline int64_t kda_slot_elems(int32_t heads)
+{
+    return (int64_t)heads * KDA_HEAD_DIM * KDA_HEAD_DIM;
+}
+
+static inline size_t kda_dtype_size(kda_dtype t)
+{
+    return t == KDA_DTYPE_F32 ? 4 : 2;
+}
+
+/*
+ * Checks a layer's values (lower_bound in [-5, 0), finite scale, non-NULL
+ * weights).  Reads only the struct, not the weight arrays.
+ */
+int kda_layer_check(const kda_layer *layer, kda_error *err);
+
+/*
+ * Checks a batch against a pool before anything is written: pool geometry
+ * and dtype, each sequence's length, slot range, non-NULL tensors where
+ * len > 0, reserved fields zero, and no slot named twice.  Does not
+ * dereference tensor or layer pointers, so it works on descriptors of device
+ * memory too.
+ */
+int kda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err);
+
+/*
+ * Fills seqs[0..n) from a packed layout: tensors of all sequences back to
+ * back along T, cu_seqlens[n+1] (0 = cu[0] <= ... <= cu[n] = total_tokens)
+ * and slots[n].  Rejects non-monotonic or out-of-range offsets.
+ */
+int kda_seqs_from_packed(kda_seq *seqs, int64_t n, int32_t heads, const int64_t *cu_seqlens,
+                         int64_t total_tokens, const int64_t *slots, const uint16_t *q,
+                         const uint16_t *k, const uint16_t *v, const uint16_t *g,
+                         const uint16_t *beta, uint16_t *out, const kda_layer *layer,
+                         kda_error *err);
+
+/* Sets err (if any) and returns code; printf-style message. */
+int kda_fail(kda_error *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+const char *kda_status_name(int code);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KDA_H */
