@@ -1,0 +1,378 @@
+/*
+ * prefill.c - the prefill method: its encoders and decoders, and the region
+ * bounds walk the daemon runs once it knows its regions' sizes.
+ *
+ * The decoder does every check the frame and the session allow before the
+ * daemon touches anything (PROTOCOL.md §prefill, "Checked on arrival"), so a
+ * request the daemon queues is well-formed as a whole: the all-or-nothing
+ * rule starts here.  Sizes are computed overflow-safe (kp_token_tensor_bytes
+ * saturates; sums use __builtin_add_overflow).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "codec.h"
+
+static const char *const prefill_fields[] = {"layer", "seqs", NULL};
+static const char *const seq_fields[] = {"slot", "expect_pos", "len", "fresh", "q", "k", "v",
+                                         "g", "beta", "out", NULL};
+static const char *const seq_result_fields[] = {"pos", "out", NULL};
+static const char *const result_fields[] = {"seqs", "queue_us", "run_us", NULL};
+
+static uint64_t tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads)
+{
+    return t == KP_TENSOR_BETA ? kp_beta_bytes(len, heads) : kp_token_tensor_bytes(len, heads);
+}
+
+/* "len 12 x 96 heads x 128 x 2 bytes bf16", so a size error explains itself. */
+static void tensor_shape(char *buf, size_t size, kp_prefill_tensor t, uint32_t len,
+                         uint32_t heads)
+{
+    if (t == KP_TENSOR_BETA)
+        snprintf(buf, size, "len %u x %u heads x 2 bytes bf16", len, heads);
+    else
+        snprintf(buf, size, "len %u x %u heads x %d x 2 bytes bf16", len, heads, KP_HEAD_DIM);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Params                                                                 */
+/* ---------------------------------------------------------------------- */
+
+int kp_prefill_params_encode(kp_writer *w, uint32_t id, const kp_prefill_params *p,
+                             kp_error *err)
+{
+    int rc = enc_need_str(p->layer, "layer", err);
+    if (rc)
+        return rc;
+    if (p->nseqs == 0)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "seqs: at least one sequence is needed");
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_prefill_seq *q = &p->seqs[i];
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+            bool absent = q->tensors[t].kind == KP_REF_ABSENT;
+            if (q->len == 0 && !absent)
+                return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].%s: must be absent when "
+                               "len is 0", i, kp_prefill_tensor_name(t));
+            if (q->len > 0 && absent && t != KP_TENSOR_OUT)
+                return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].%s: required", i,
+                               kp_prefill_tensor_name(t));
+        }
+        if (q->out.kind == KP_REF_INLINE)
+            return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].out: must be a region reference",
+                           i);
+    }
+
+    enc_request(w, id, KP_METHOD_PREFILL, 2);
+    enc_kv_str(w, "layer", p->layer);
+    enc_key(w, "seqs");
+    enc_array(w, p->nseqs);
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_prefill_seq *q = &p->seqs[i];
+        uint32_t ntensors = 0;
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++)
+            ntensors += q->tensors[t].kind != KP_REF_ABSENT;
+        enc_map(w, 2 + q->has_expect_pos + q->fresh + ntensors);
+        enc_kv_u64(w, "slot", q->slot);
+        if (q->has_expect_pos)
+            enc_kv_u64(w, "expect_pos", q->expect_pos);
+        enc_kv_u64(w, "len", q->len);
+        if (q->fresh)
+            enc_kv_bool(w, "fresh", true);
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+            if (q->tensors[t].kind != KP_REF_ABSENT)
+                enc_kv_ref(w, kp_prefill_tensor_name(t), &q->tensors[t]);
+        }
+    }
+    return enc_finish(w, err);
+}
+
+/* Running totals over a request's sequences, checked against the limits. */
+typedef struct prefill_totals {
+    uint64_t tokens;
+    uint64_t inline_in;  /* inline tensor bytes in the request */
+    uint64_t inline_out; /* inline output bytes the result will carry */
+} prefill_totals;
+
+static int decode_seq(kp_msg *msg, const kp_session *s, const msgpack_object *obj, uint32_t i,
+                      kp_prefill_seq *q, prefill_totals *sum, kp_error *err)
+{
+    char path[DEC_PATH_MAX];
+    dec_fields f;
+    bool present;
+    uint32_t heads = s->geometry.heads;
+    snprintf(path, sizeof(path), "seqs[%u]", i);
+    memset(q, 0, sizeof(*q));
+    int rc = dec_open(&f, msg, obj, path, seq_fields, DEC_STRICT, KP_E_INVALID_PARAMS, err);
+    if (rc || (rc = dec_u64(&f, "slot", 0, UINT64_MAX, &q->slot, NULL, err)) ||
+        (rc = dec_u64(&f, "expect_pos", 0, UINT64_MAX, &q->expect_pos, &q->has_expect_pos,
+                      err)) ||
+        (rc = dec_u32(&f, "len", 0, s->limits.max_batch_tokens, &q->len, NULL, err)) ||
+        (rc = dec_bool(&f, "fresh", &q->fresh, &present, err)))
+        return rc;
+    if (q->fresh && q->has_expect_pos)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "%s.expect_pos: not allowed with fresh (a "
+                       "fresh sequence starts at position 0 whatever the slot held)", path);
+
+    for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+        const char *name = kp_prefill_tensor_name(t);
+        if (q->len == 0) {
+            const msgpack_object *o = dec_get(&f, name);
+            if (o && o->type != MSGPACK_OBJECT_NIL)
+                return kp_fail(err, KP_E_INVALID_PARAMS, "%s.%s: must be absent when len is 0",
+                               path, name);
+            continue;
+        }
+        char shape[80];
+        tensor_shape(shape, sizeof(shape), t, q->len, heads);
+        uint64_t nbytes = tensor_bytes(t, q->len, heads);
+        bool is_out = t == KP_TENSOR_OUT;
+        if ((rc = dec_ref(&f, name, nbytes, shape, !is_out, true, &q->tensors[t],
+                          is_out ? &present : NULL, err)))
+            return rc;
+        if (q->tensors[t].kind == KP_REF_INLINE)
+            sum->inline_in += nbytes; /* <= the frame size: cannot overflow */
+    }
+    if (q->len > 0 && q->out.kind == KP_REF_ABSENT &&
+        __builtin_add_overflow(sum->inline_out, kp_token_tensor_bytes(q->len, heads),
+                               &sum->inline_out))
+        sum->inline_out = UINT64_MAX;
+    sum->tokens += q->len; /* <= nseqs * 2^32: cannot overflow */
+    return KP_OK;
+}
+
+typedef struct slot_at {
+    uint64_t slot;
+    uint32_t seq;
+} slot_at;
+
+static int slot_at_cmp(const void *a, const void *b)
+{
+    const slot_at *x = a, *y = b;
+    if (x->slot != y->slot)
+        return x->slot < y->slot ? -1 : 1;
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+/* The kernel updates each slot in place, once per launch: a slot named twice
+ * in one request would race with itself. */
+static int check_distinct_slots(kp_msg *msg, const kp_prefill_params *p, kp_error *err)
+{
+    slot_at *v = dec_alloc(msg, p->nseqs, sizeof(*v), err);
+    if (!v)
+        return err ? err->code : KP_E_NO_MEMORY;
+    for (uint32_t i = 0; i < p->nseqs; i++)
+        v[i] = (slot_at){p->seqs[i].slot, i};
+    qsort(v, p->nseqs, sizeof(*v), slot_at_cmp);
+    for (uint32_t i = 1; i < p->nseqs; i++) {
+        if (v[i].slot == v[i - 1].slot)
+            return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].slot: slot 0x%llx is also named "
+                           "by seqs[%u]; a slot appears once per request", v[i].seq,
+                           (unsigned long long)v[i].slot, v[i - 1].seq);
+    }
+    return KP_OK;
+}
+
+/* A byte range of a region that one tensor of the request uses. */
+typedef struct range {
+    uint32_t region;
+    uint64_t start, end;
+    uint32_t seq;
+    kp_prefill_tensor tensor;
+} range;
+
+static int range_cmp(const void *a, const void *b)
+{
+    const range *x = a, *y = b;
+    if (x->region != y->region)
+        return x->region < y->region ? -1 : 1;
+    if (x->start != y->start)
+        return x->start < y->start ? -1 : 1;
+    return 0;
+}
+
+static int overlap_error(const range *a, const range *b, kp_error *err)
+{
+    return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].%s overlaps seqs[%u].%s in region %u: "
+                   "an output may not share bytes with any other tensor of the request", a->seq,
+                   kp_prefill_tensor_name(a->tensor), b->seq, kp_prefill_tensor_name(b->tensor),
+                   a->region);
+}
+
+/*
+ * Outputs must not overlap anything else of the request (inputs may share
+ * bytes with each other: q == k is legal).  Sorted by start within each
+ * region, a range overlaps an earlier one iff it starts before the furthest
+ * end seen so far; tracking the furthest end of all ranges and of outputs
+ * alone finds every pair that involves an output.
+ */
+static int check_out_overlaps(kp_msg *msg, const kp_prefill_params *p, kp_error *err)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++)
+            n += p->seqs[i].tensors[t].kind == KP_REF_REGION;
+    }
+    if (n < 2)
+        return KP_OK;
+    range *v = dec_alloc(msg, n, sizeof(*v), err);
+    if (!v)
+        return err ? err->code : KP_E_NO_MEMORY;
+    n = 0;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+            const kp_ref *r = &p->seqs[i].tensors[t];
+            if (r->kind == KP_REF_REGION) /* offset + nbytes was overflow-checked on decode */
+                v[n++] = (range){r->region, r->offset, r->offset + r->nbytes, i, t};
+        }
+    }
+    qsort(v, n, sizeof(*v), range_cmp);
+    const range *furthest = NULL, *furthest_out = NULL;
+    for (uint32_t i = 0; i < n; i++) {
+        const range *c = &v[i];
+        if (i > 0 && c->region != v[i - 1].region)
+            furthest = furthest_out = NULL;
+        bool out = c->tensor == KP_TENSOR_OUT;
+        if (out && furthest && c->start < furthest->end)
+            return overlap_error(c, furthest, err);
+        if (!out && furthest_out && c->start < furthest_out->end)
+            return overlap_error(furthest_out, c, err);
+        if (!furthest || c->end > furthest->end)
+            furthest = c;
+        if (out && (!furthest_out || c->end > furthest_out->end))
+            furthest_out = c;
+    }
+    return KP_OK;
+}
+
+int kp_prefill_params_decode(kp_msg *msg, const kp_session *s, kp_prefill_params *p,
+                             kp_error *err)
+{
+    dec_fields f;
+    const msgpack_object *arr;
+    uint32_t n;
+    const kp_limits *lim = &s->limits;
+    memset(p, 0, sizeof(*p));
+    int rc = dec_params(&f, msg, prefill_fields, err);
+    if (rc || (rc = dec_str(&f, "layer", 1, KP_NAME_MAX, &p->layer, NULL, err)) ||
+        (rc = dec_array(&f, "seqs", lim->max_seqs_per_request, false, &arr, &n, NULL, err)))
+        return rc;
+    kp_prefill_seq *seqs = dec_alloc(msg, n, sizeof(*seqs), err);
+    if (!seqs)
+        return err ? err->code : KP_E_NO_MEMORY;
+    prefill_totals sum = {0, 0, 0};
+    for (uint32_t i = 0; i < n; i++) {
+        if ((rc = decode_seq(msg, s, &arr[i], i, &seqs[i], &sum, err)))
+            return rc;
+    }
+    p->seqs = seqs;
+    p->nseqs = n;
+
+    if (sum.tokens > lim->max_batch_tokens)
+        return kp_fail(err, KP_E_LIMIT_EXCEEDED, "seqs: %llu tokens in total exceed "
+                       "max_batch_tokens %u (a request runs in one launch)",
+                       (unsigned long long)sum.tokens, lim->max_batch_tokens);
+    if (sum.inline_in > lim->max_inline_bytes)
+        return kp_fail(err, KP_E_LIMIT_EXCEEDED, "seqs: %llu inline tensor bytes exceed "
+                       "max_inline_bytes %llu; use regions", (unsigned long long)sum.inline_in,
+                       (unsigned long long)lim->max_inline_bytes);
+    if (sum.inline_out > lim->max_inline_bytes)
+        return kp_fail(err, KP_E_LIMIT_EXCEEDED, "seqs: the inline output of %llu bytes would "
+                       "exceed max_inline_bytes %llu; name out regions",
+                       (unsigned long long)sum.inline_out,
+                       (unsigned long long)lim->max_inline_bytes);
+    if ((rc = check_distinct_slots(msg, p, err)))
+        return rc;
+    return check_out_overlaps(msg, p, err);
+}
+
+int kp_prefill_check_regions(const kp_prefill_params *p, kp_region_size_fn region_size,
+                             void *ctx, kp_error *err)
+{
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+            const kp_ref *r = &p->seqs[i].tensors[t];
+            if (r->kind != KP_REF_REGION)
+                continue;
+            char field[DEC_PATH_MAX];
+            snprintf(field, sizeof(field), "seqs[%u].%s", i, kp_prefill_tensor_name(t));
+            uint64_t size;
+            if (region_size(ctx, r->region, &size) != KP_OK)
+                return kp_fail(err, KP_E_REGION_INVALID, "%s: region %u is not registered on "
+                               "this connection", field, r->region);
+            int rc = kp_ref_check_bounds(r, size, field, err);
+            if (rc)
+                return rc;
+        }
+    }
+    return KP_OK;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Result                                                                 */
+/* ---------------------------------------------------------------------- */
+
+int kp_prefill_result_encode(kp_writer *w, uint32_t id, const kp_prefill_result *r,
+                             kp_error *err)
+{
+    for (uint32_t i = 0; i < r->nseqs; i++) {
+        if (r->seqs[i].out.kind == KP_REF_REGION)
+            return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].out: a result carries output "
+                           "inline or not at all", i);
+    }
+    enc_result(w, id, 3);
+    enc_key(w, "seqs");
+    enc_array(w, r->nseqs);
+    for (uint32_t i = 0; i < r->nseqs; i++) {
+        const kp_prefill_seq_result *q = &r->seqs[i];
+        bool has_out = q->out.kind == KP_REF_INLINE;
+        enc_map(w, 1 + has_out);
+        enc_kv_u64(w, "pos", q->pos);
+        if (has_out)
+            enc_kv_ref(w, "out", &q->out);
+    }
+    enc_kv_u64(w, "queue_us", r->queue_us);
+    enc_kv_u64(w, "run_us", r->run_us);
+    return enc_finish(w, err);
+}
+
+int kp_prefill_result_decode(kp_msg *msg, const kp_session *s, const kp_prefill_params *req,
+                             kp_prefill_result *r, kp_error *err)
+{
+    dec_fields f;
+    const msgpack_object *arr;
+    uint32_t n;
+    memset(r, 0, sizeof(*r));
+    int rc = dec_result(&f, msg, result_fields, err);
+    if (rc || (rc = dec_array(&f, "seqs", req->nseqs, false, &arr, &n, NULL, err)) ||
+        (rc = dec_u64(&f, "queue_us", 0, UINT64_MAX, &r->queue_us, NULL, err)) ||
+        (rc = dec_u64(&f, "run_us", 0, UINT64_MAX, &r->run_us, NULL, err)))
+        return rc;
+    if (n != req->nseqs)
+        return kp_fail(err, KP_E_PROTOCOL, "seqs: %u results for %u sequences", n, req->nseqs);
+    kp_prefill_seq_result *seqs = dec_alloc(msg, n, sizeof(*seqs), err);
+    if (!seqs)
+        return err ? err->code : KP_E_NO_MEMORY;
+    for (uint32_t i = 0; i < n; i++) {
+        const kp_prefill_seq *q = &req->seqs[i];
+        char path[DEC_PATH_MAX], shape[80];
+        dec_fields sf;
+        bool has_out;
+        snprintf(path, sizeof(path), "seqs[%u]", i);
+        tensor_shape(shape, sizeof(shape), KP_TENSOR_OUT, q->len, s->geometry.heads);
+        if ((rc = dec_open(&sf, msg, &arr[i], path, seq_result_fields, DEC_LENIENT,
+                           KP_E_PROTOCOL, err)) ||
+            (rc = dec_u64(&sf, "pos", 0, UINT64_MAX, &seqs[i].pos, NULL, err)) ||
+            (rc = dec_ref(&sf, "out", kp_token_tensor_bytes(q->len, s->geometry.heads), shape,
+                          true, false, &seqs[i].out, &has_out, err)))
+            return rc;
+        bool want_out = q->len > 0 && q->out.kind == KP_REF_ABSENT;
+        if (has_out != want_out)
+            return kp_fail(err, KP_E_PROTOCOL, "%s.out: %s", path,
+                           want_out ? "missing: the request asked for inline output"
+                                    : "unexpected: the request named an out region or had len 0");
+    }
+    r->seqs = seqs;
+    r->nseqs = n;
+    return KP_OK;
+}

@@ -1,0 +1,273 @@
+/*
+ * writer.c - outgoing frames: kp_writer (a msgpack_vrefbuffer whose iovec list
+ * is the whole frame, prefix included) and the enc_* packing helpers the
+ * message encoders use.
+ *
+ * Zero copy: small pieces (headers, keys, numbers, strings) are copied into
+ * the vrefbuffer's chunks; tensor payloads of WRITER_REF_MIN bytes or more
+ * are appended as references, so they travel from the caller's memory to
+ * the socket by writev without an intermediate copy.  Strings are always
+ * copied, even long ones: an error message often lives on the caller's stack.
+ */
+#include <arpa/inet.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "codec.h"
+
+/* Payloads at least this long are referenced instead of copied: below it an
+ * extra iovec costs more than the memcpy. */
+#define WRITER_REF_MIN 512
+/* Size of the vrefbuffer's copy chunks. */
+#define WRITER_CHUNK 8192
+
+/* msgpack_packer callback: every packed piece is copied. */
+static int writer_copy(void *data, const char *buf, size_t len)
+{
+    kp_writer *w = data;
+    if (msgpack_vrefbuffer_append_copy(&w->vbuf, buf, len) != 0) {
+        w->failed = true;
+        return -1;
+    }
+    w->body_bytes += len;
+    return 0;
+}
+
+int kp_writer_init(kp_writer *w, uint64_t max_frame)
+{
+    memset(w, 0, sizeof(*w));
+    if (!msgpack_vrefbuffer_init(&w->vbuf, WRITER_REF_MIN, WRITER_CHUNK))
+        return KP_E_NO_MEMORY;
+    msgpack_packer_init(&w->pk, w, writer_copy);
+    w->max_frame = max_frame;
+    return KP_OK;
+}
+
+void kp_writer_close(kp_writer *w)
+{
+    msgpack_vrefbuffer_destroy(&w->vbuf);
+    memset(w, 0, sizeof(*w));
+}
+
+void kp_writer_set_max_frame(kp_writer *w, uint64_t max_frame)
+{
+    w->max_frame = max_frame;
+}
+
+const struct iovec *kp_writer_iov(const kp_writer *w, size_t *iovcnt)
+{
+    *iovcnt = msgpack_vrefbuffer_veclen(&w->vbuf);
+    return msgpack_vrefbuffer_vec(&w->vbuf);
+}
+
+uint64_t kp_writer_frame_bytes(const kp_writer *w)
+{
+    return KP_FRAME_HEADER_BYTES + w->body_bytes;
+}
+
+int kp_writer_flatten(const kp_writer *w, uint8_t **frame, size_t *len, kp_error *err)
+{
+    size_t n;
+    const struct iovec *iov = kp_writer_iov(w, &n);
+    size_t total = (size_t)kp_writer_frame_bytes(w);
+    uint8_t *buf = malloc(total);
+    if (!buf)
+        return kp_fail(err, KP_E_NO_MEMORY, "cannot allocate %zu bytes to flatten a frame",
+                       total);
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        memcpy(buf + at, iov[i].iov_base, iov[i].iov_len);
+        at += iov[i].iov_len;
+    }
+    *frame = buf;
+    *len = total;
+    return KP_OK;
+}
+
+/* Empties the writer and reserves the 4-byte prefix, patched by enc_finish. */
+static void writer_begin(kp_writer *w)
+{
+    static const char placeholder[KP_FRAME_HEADER_BYTES] = {0};
+    msgpack_vrefbuffer_clear(&w->vbuf);
+    w->failed = false;
+    w->body_bytes = 0;
+    if (msgpack_vrefbuffer_append_copy(&w->vbuf, placeholder, sizeof(placeholder)) != 0)
+        w->failed = true;
+}
+
+int enc_finish(kp_writer *w, kp_error *err)
+{
+    if (w->failed)
+        return kp_fail(err, KP_E_NO_MEMORY, "out of memory while encoding a frame");
+    if (w->body_bytes > w->max_frame)
+        return kp_fail(err, KP_E_FRAME_TOO_LARGE,
+                       "encoded frame of %llu bytes exceeds the peer's cap of %llu bytes",
+                       (unsigned long long)w->body_bytes, (unsigned long long)w->max_frame);
+    /* The prefix was the first copy into a cleared buffer, so it opens iov[0]
+     * (later copies only extend that iovec). */
+    uint32_t be = htonl((uint32_t)w->body_bytes);
+    memcpy(msgpack_vrefbuffer_vec(&w->vbuf)[0].iov_base, &be, sizeof(be));
+    return KP_OK;
+}
+
+void enc_request(kp_writer *w, uint32_t id, kp_method m, uint32_t nfields)
+{
+    writer_begin(w);
+    msgpack_pack_array(&w->pk, 4);
+    msgpack_pack_uint32(&w->pk, KP_MSG_REQUEST);
+    msgpack_pack_uint32(&w->pk, id);
+    enc_str(w, kp_method_name(m));
+    msgpack_pack_map(&w->pk, nfields);
+}
+
+void enc_result(kp_writer *w, uint32_t id, uint32_t nfields)
+{
+    writer_begin(w);
+    msgpack_pack_array(&w->pk, 4);
+    msgpack_pack_uint32(&w->pk, KP_MSG_RESPONSE);
+    msgpack_pack_uint32(&w->pk, id);
+    msgpack_pack_nil(&w->pk);
+    msgpack_pack_map(&w->pk, nfields);
+}
+
+void enc_key(kp_writer *w, const char *key)
+{
+    enc_str(w, key);
+}
+
+void enc_str(kp_writer *w, const char *s)
+{
+    size_t n = strlen(s);
+    msgpack_pack_str(&w->pk, n);
+    msgpack_pack_str_body(&w->pk, s, n);
+}
+
+void enc_map(kp_writer *w, uint32_t n)
+{
+    msgpack_pack_map(&w->pk, n);
+}
+
+void enc_array(kp_writer *w, uint32_t n)
+{
+    msgpack_pack_array(&w->pk, n);
+}
+
+void enc_bin(kp_writer *w, const void *data, uint64_t n)
+{
+    msgpack_pack_bin(&w->pk, (size_t)n);
+    if (n < WRITER_REF_MIN) {
+        msgpack_pack_bin_body(&w->pk, data, (size_t)n);
+        return;
+    }
+    if (msgpack_vrefbuffer_append_ref(&w->vbuf, data, (size_t)n) != 0) {
+        w->failed = true;
+        return;
+    }
+    w->body_bytes += n;
+}
+
+void enc_kv_u64(kp_writer *w, const char *key, uint64_t v)
+{
+    enc_key(w, key);
+    msgpack_pack_uint64(&w->pk, v);
+}
+
+void enc_kv_int(kp_writer *w, const char *key, int64_t v)
+{
+    enc_key(w, key);
+    msgpack_pack_int64(&w->pk, v);
+}
+
+void enc_kv_bool(kp_writer *w, const char *key, bool v)
+{
+    enc_key(w, key);
+    if (v)
+        msgpack_pack_true(&w->pk);
+    else
+        msgpack_pack_false(&w->pk);
+}
+
+void enc_kv_float(kp_writer *w, const char *key, float v)
+{
+    enc_key(w, key);
+    msgpack_pack_float(&w->pk, v);
+}
+
+void enc_kv_str(kp_writer *w, const char *key, const char *s)
+{
+    enc_key(w, key);
+    enc_str(w, s);
+}
+
+void enc_kv_nil(kp_writer *w, const char *key)
+{
+    enc_key(w, key);
+    msgpack_pack_nil(&w->pk);
+}
+
+void enc_kv_ref(kp_writer *w, const char *key, const kp_ref *ref)
+{
+    enc_key(w, key);
+    if (ref->kind == KP_REF_INLINE) {
+        enc_bin(w, ref->data, ref->nbytes);
+        return;
+    }
+    msgpack_pack_map(&w->pk, 2);
+    enc_kv_u64(w, "region", ref->region);
+    enc_kv_u64(w, "offset", ref->offset);
+}
+
+void enc_kv_handles(kp_writer *w, const char *key, const uint64_t *v, uint32_t n)
+{
+    enc_key(w, key);
+    msgpack_pack_array(&w->pk, n);
+    for (uint32_t i = 0; i < n; i++)
+        msgpack_pack_uint64(&w->pk, v[i]);
+}
+
+void enc_error_object(kp_writer *w, const kp_error *e)
+{
+    msgpack_pack_map(&w->pk, 4);
+    enc_kv_int(w, "code", e->code);
+    enc_kv_str(w, "name", kp_code_name(e->code));
+    enc_kv_str(w, "message", e->message[0] ? e->message : kp_code_message(e->code));
+    enc_kv_bool(w, "retryable", kp_code_retryable(e->code));
+}
+
+int enc_need_str(const char *s, const char *field, kp_error *err)
+{
+    if (!s)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "%s: required string is NULL", field);
+    return KP_OK;
+}
+
+int kp_error_response_encode(kp_writer *w, uint32_t id, const kp_error *e, kp_error *err)
+{
+    if (e->code >= 0)
+        return kp_fail(err, KP_E_INTERNAL, "error response with non-error code %d", e->code);
+    writer_begin(w);
+    msgpack_pack_array(&w->pk, 4);
+    msgpack_pack_uint32(&w->pk, KP_MSG_RESPONSE);
+    msgpack_pack_uint32(&w->pk, id);
+    enc_error_object(w, e);
+    msgpack_pack_nil(&w->pk);
+    return enc_finish(w, err);
+}
+
+int kp_goodbye_encode(kp_writer *w, const kp_error *e, kp_error *err)
+{
+    if (e->code >= 0)
+        return kp_fail(err, KP_E_INTERNAL, "goodbye with non-error code %d", e->code);
+    writer_begin(w);
+    msgpack_pack_array(&w->pk, 3);
+    msgpack_pack_uint32(&w->pk, KP_MSG_NOTIFICATION);
+    enc_str(w, KP_NOTIFY_GOODBYE);
+    enc_error_object(w, e);
+    return enc_finish(w, err);
+}
+
+int kp_empty_result_encode(kp_writer *w, uint32_t id, kp_error *err)
+{
+    enc_result(w, id, 0);
+    return enc_finish(w, err);
+}
