@@ -11,6 +11,12 @@
 
 #include "bf16.h"
 
+const char *golden_dir(void)
+{
+    const char *env = getenv("KDAD_GOLDEN_DIR");
+    return env && *env ? env : KDAD_GOLDEN_DIR;
+}
+
 static int cmp_str(const void *a, const void *b)
 {
     return strcmp(*(char *const *)a, *(char *const *)b);

@@ -12,6 +12,10 @@
 #include "kda.h"
 #include "safetensors.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct golden_case {
     char name[64];
     char path[512];
@@ -31,6 +35,9 @@ typedef struct golden_case {
     double flashkda_out_err, flashkda_state_err;
 } golden_case;
 
+/* The golden folder: $KDAD_GOLDEN_DIR if set, else the one CMake compiled in. */
+const char *golden_dir(void);
+
 /* Paths of every *.safetensors in dir, sorted; returns the count or -1 (message in err). */
 int golden_list(const char *dir, char ***paths, char *err, size_t errlen);
 void golden_list_free(char **paths, int n);
@@ -43,5 +50,9 @@ double rel_rms_f64(const double *x, const float *ref, size_t n);
 double rel_rms_f32(const float *x, const float *ref, size_t n);
 double rel_rms_bf16(const uint16_t *x, const float *ref, size_t n);
 double rel_rms_f64_f64(const double *x, const double *ref, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* KDA_TEST_GOLDEN_H */

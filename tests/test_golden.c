@@ -168,7 +168,7 @@ int main(void)
 {
     char err[512];
     char **paths = NULL;
-    int n = golden_list(KDAD_GOLDEN_DIR, &paths, err, sizeof err);
+    int n = golden_list(golden_dir(), &paths, err, sizeof err);
     if (n <= 0) {
         fprintf(stderr, "test_golden: FAILED: %s\n", err);
         return 1;

@@ -1,0 +1,250 @@
+/*
+ * bench_kernel.cu - times the fused kernel on the standard workloads of
+ * PERF-ANCHORS.md and the H = 96 length sweep.
+ *
+ *   bench_kernel [--reps N] [--json FILE] [--only NAME]
+ *
+ * Per workload: random N(0,1) bf16 inputs (never zeros), A_log, dt_bias ~
+ * U(0,1), lower_bound -5, fp32 state pool; sequences sorted longest first;
+ * one correctness check against the float64 oracle; 3 warm-up launches; then
+ * N timed launches, each after a 512 MiB write that evicts the L2, timed with
+ * CUDA events; the median is reported.  Prints one table and writes the same
+ * as a JSON array.
+ */
+#include <algorithm>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <string>
+#include <vector>
+
+#include "gpu_testutil.h"
+#include "kda_cuda.h"
+#ifdef KDA_PROFILE
+#include "kda_fwd_sm90.h"
+#include "profile.cuh"
+#endif
+
+struct Workload {
+    std::string name;
+    int heads;
+    std::vector<int64_t> lens;
+    double flashkda_ms;   /* PERF-ANCHORS.md, measured on the same H200 kind; 0 = not measured */
+    double fla_ms;
+};
+
+static std::vector<Workload> workloads()
+{
+    const std::vector<int64_t> mixed = {1300, 547, 2048, 963, 271, 3063}, uniform(8, 1024);
+    return {
+        {"H96 fixed 8192", 96, {8192}, 1.40, 2.62},
+        {"H96 mixed", 96, mixed, 1.39, 2.66},
+        {"H96 uniform 8x1024", 96, uniform, 1.20, 2.63},
+        {"H64 fixed 8192", 64, {8192}, 1.19, 1.75},
+        {"H64 mixed", 64, mixed, 1.01, 1.81},
+        {"H64 uniform 8x1024", 64, uniform, 0.81, 1.76},
+        {"H96 fixed 1024", 96, {1024}, 0.21, 0.39},
+        {"H96 fixed 2048", 96, {2048}, 0.38, 0.70},
+        {"H96 fixed 4096", 96, {4096}, 0.72, 1.34},
+        {"H96 fixed 16384", 96, {16384}, 2.78, 5.21},
+        {"H96 fixed 32768", 96, {32768}, 5.49, 10.47},
+        {"H96 4x8192", 96, std::vector<int64_t>(4, 8192), 4.97, 10.06},
+    };
+}
+
+struct Result {
+    Workload w;
+    double ms, floor_ms, mtok_s, out_err, state_err;
+};
+
+static const double COPY_BYTES_PER_S = 4.27e12;   /* measured device copy rate (PERF-ANCHORS.md) */
+
+static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t flush_bytes)
+{
+    const int32_t H = w.heads, N = int32_t(w.lens.size());
+    std::vector<int64_t> lens = w.lens;
+    std::sort(lens.begin(), lens.end(), std::greater<int64_t>());   /* longest first balances the grid */
+    int64_t T = 0;
+    for (int64_t l : lens)
+        T += l;
+    const size_t tok = size_t(T) * H * KDA_HEAD_DIM;
+    uint16_t *q, *k, *v, *g, *beta, *out;
+    for (uint16_t **p : {&q, &k, &v, &g, &out})
+        GPU_CHECK(cudaMalloc(p, tok * 2));
+    GPU_CHECK(cudaMalloc(&beta, size_t(T) * H * 2));
+    gpu_fill_normal_bf16(q, tok, 11, 0, 1);
+    gpu_fill_normal_bf16(k, tok, 12, 0, 1);
+    gpu_fill_normal_bf16(v, tok, 13, 0, 1);
+    gpu_fill_normal_bf16(g, tok, 14, 0, 1);
+    gpu_fill_normal_bf16(beta, size_t(T) * H, 15, 0, 1);
+    float *a_log, *dt_bias;
+    GPU_CHECK(cudaMalloc(&a_log, sizeof(float) * H));
+    GPU_CHECK(cudaMalloc(&dt_bias, sizeof(float) * H * KDA_HEAD_DIM));
+    gpu_fill_uniform_f32(a_log, H, 16, 0, 1);
+    gpu_fill_uniform_f32(dt_bias, size_t(H) * KDA_HEAD_DIM, 17, 0, 1);
+    const kda_layer layer = {a_log, dt_bias, -5.0f, 0.08838834764831845f};
+    kda_layer *dlayer;
+    GPU_CHECK(cudaMalloc(&dlayer, sizeof layer));
+    GPU_CHECK(cudaMemcpy(dlayer, &layer, sizeof layer, cudaMemcpyHostToDevice));
+
+    kda_pool pool = {nullptr, KDA_DTYPE_F32, H, N}, before = pool;
+    const size_t pool_bytes = size_t(N) * kda_slot_elems(H) * 4;
+    GPU_CHECK(cudaMalloc(&pool.state, pool_bytes));
+    GPU_CHECK(cudaMalloc(&before.state, pool_bytes));
+    gpu_fill_normal_state(pool.state, KDA_DTYPE_F32, pool_bytes / 4, 18, 0.25f);
+    GPU_CHECK(cudaMemcpy(before.state, pool.state, pool_bytes, cudaMemcpyDeviceToDevice));
+
+    std::vector<int64_t> cu_seqlens(N + 1, 0), slots(N);
+    for (int i = 0; i < N; i++) {
+        cu_seqlens[i + 1] = cu_seqlens[i] + lens[i];
+        slots[i] = i;
+    }
+    std::vector<kda_seq> seqs(N);
+    kda_error err;
+    if (kda_seqs_from_packed(seqs.data(), N, H, cu_seqlens.data(), T, slots.data(), q, k, v, g, beta, out, dlayer,
+                             &err) != KDA_OK ||
+        kda_cuda_batch_check(&pool, seqs.data(), N, &err) != KDA_OK) {
+        fprintf(stderr, "%s: %s\n", w.name.c_str(), err.msg);
+        exit(1);
+    }
+    kda_seq *dseqs;
+    int32_t *dn;
+    GPU_CHECK(cudaMalloc(&dseqs, sizeof(kda_seq) * N));
+    GPU_CHECK(cudaMemcpy(dseqs, seqs.data(), sizeof(kda_seq) * N, cudaMemcpyHostToDevice));
+    GPU_CHECK(cudaMalloc(&dn, sizeof(int32_t)));
+    GPU_CHECK(cudaMemcpy(dn, &N, sizeof(int32_t), cudaMemcpyHostToDevice));
+
+    auto launch = [&]() {
+        if (kda_cuda_prefill(cu, &pool, dseqs, dn, N, nullptr, &err) != KDA_OK) {
+            fprintf(stderr, "%s: %s\n", w.name.c_str(), err.msg);
+            exit(1);
+        }
+    };
+
+    /* correctness of this very configuration, once */
+    GPU_CHECK(cudaMemset(out, 0xff, tok * 2));
+    launch();
+    GPU_CHECK(cudaDeviceSynchronize());
+    double *out_ref, *state_ref;
+    GPU_CHECK(cudaMalloc(&out_ref, sizeof(double) * tok));
+    GPU_CHECK(cudaMalloc(&state_ref, sizeof(double) * size_t(N) * kda_slot_elems(H)));
+    gpu_oracle(dseqs, N, &before, out, out_ref, state_ref);
+    const double out_err = gpu_rel_rms_bf16(out, out_ref, tok);
+    const double state_err = gpu_rel_rms_slots(&pool, slots.data(), N, state_ref);
+    cudaFree(out_ref);
+    cudaFree(state_ref);
+
+    for (int i = 0; i < 3; i++)
+        launch();
+    cudaEvent_t start, stop;
+    GPU_CHECK(cudaEventCreate(&start));
+    GPU_CHECK(cudaEventCreate(&stop));
+    std::vector<float> times;
+    for (int r = 0; r < reps; r++) {
+        GPU_CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+        GPU_CHECK(cudaEventRecord(start));
+        launch();
+        GPU_CHECK(cudaEventRecord(stop));
+        GPU_CHECK(cudaEventSynchronize(stop));
+        float ms;
+        GPU_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+#ifdef KDA_PROFILE
+    {   /* one more launch with CTA 0's phase counters (profile.cuh) */
+        unsigned long long prof[kda::PROF_SLOTS];
+        GPU_CHECK(kda_fwd_profile(prof, true));
+        launch();
+        GPU_CHECK(cudaDeviceSynchronize());
+        GPU_CHECK(kda_fwd_profile(prof, true));
+        const double chunks = prof[kda::PROF_CHUNKS] ? double(prof[kda::PROF_CHUNKS]) : 1.0;
+        static const char *names[kda::PROF_SLOTS] = {
+            "p.fetch", "p.loadwait", "p.emptywait", "p.norms", "p.gates", "p.lmqk", "p.inv",
+            "c.fullwait", "c.state", "c.step1", "c.step23", "c.step4", "c.epilogue", "chunks", "total"};
+        printf("profile %-20s CTA 0, %.0f chunks, cycles per chunk:", w.name.c_str(), chunks);
+        for (int i = 0; i < kda::PROF_SLOTS; i++)
+            if (i != kda::PROF_CHUNKS)
+                printf(" %s %.0f", names[i], double(prof[i]) / chunks);
+        printf("\n");
+    }
+#endif
+    Result res;
+    res.w = w;
+    res.ms = times[times.size() / 2];
+    const double bytes = 1282.0 * double(T) * H + 2.0 * N * H * KDA_HEAD_DIM * KDA_HEAD_DIM * 4;
+    res.floor_ms = bytes / COPY_BYTES_PER_S * 1e3;
+    res.mtok_s = double(T) / (res.ms * 1e-3) / 1e6;
+    res.out_err = out_err;
+    res.state_err = state_err;
+
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    for (void *p : {(void *)q, (void *)k, (void *)v, (void *)g, (void *)beta, (void *)out, (void *)a_log,
+                    (void *)dt_bias, (void *)dlayer, pool.state, before.state, (void *)dseqs, (void *)dn})
+        cudaFree(p);
+    return res;
+}
+
+int main(int argc, char **argv)
+{
+    int reps = 50;
+    const char *json = nullptr, *only = nullptr;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+            reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--json") && i + 1 < argc)
+            json = argv[++i];
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+            only = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME]\n", argv[0]);
+            return 2;
+        }
+    }
+    kda_cuda *cu;
+    kda_error err;
+    if (kda_cuda_create(0, &cu, &err) != KDA_OK) {
+        fprintf(stderr, "bench_kernel: %s\n", err.msg);
+        return err.code == KDA_ENOTSUP ? 77 : 1;
+    }
+    const size_t flush_bytes = size_t(512) << 20;
+    void *flush;
+    GPU_CHECK(cudaMalloc(&flush, flush_bytes));
+
+    std::vector<Result> results;
+    for (const Workload &w : workloads())
+        if (!only || w.name == only)
+            results.push_back(run(w, cu, reps, flush, flush_bytes));
+
+    printf("\nkdad fused KDA kernel on %s (%d SMs), fp32 state pool, median of %d launches, L2 flushed\n",
+           kda_cuda_device_name(cu), kda_cuda_sm_count(cu), reps);
+    printf("%-20s %9s %9s %11s %9s %9s %9s %9s %9s\n", "workload", "ms", "Mtok/s", "FlashKDA ms", "speedup",
+           "floor ms", "% floor", "out err", "state err");
+    for (const Result &r : results)
+        printf("%-20s %9.3f %9.2f %11.2f %8.2fx %9.3f %8.1f%% %9.5f %9.5f\n", r.w.name.c_str(), r.ms, r.mtok_s,
+               r.w.flashkda_ms, r.w.flashkda_ms / r.ms, r.floor_ms, 100.0 * r.floor_ms / r.ms, r.out_err,
+               r.state_err);
+    if (json) {
+        FILE *f = fopen(json, "w");
+        if (!f) {
+            perror(json);
+            return 1;
+        }
+        fprintf(f, "[\n");
+        for (size_t i = 0; i < results.size(); i++) {
+            const Result &r = results[i];
+            fprintf(f,
+                    "  {\"workload\": \"%s\", \"ms\": %.4f, \"flashkda_ms\": %.2f, \"speedup_vs_flashkda\": %.3f, "
+                    "\"fla_ms\": %.2f, \"floor_ms\": %.4f, \"mtok_s\": %.2f, \"out_err\": %.5f, \"state_err\": %.5f}%s\n",
+                    r.w.name.c_str(), r.ms, r.w.flashkda_ms, r.w.flashkda_ms / r.ms, r.w.fla_ms, r.floor_ms, r.mtok_s,
+                    r.out_err, r.state_err, i + 1 < results.size() ? "," : "");
+        }
+        fprintf(f, "]\n");
+        fclose(f);
+    }
+    cudaFree(flush);
+    kda_cuda_destroy(cu);
+    return 0;
+}

@@ -1,0 +1,228 @@
+/*
+ * consumer.cuh - warpgroups 1 and 2: the serial chain of one (sequence, head).
+ *
+ * Each consumer warpgroup owns 64 of the state's 128 V rows as an fp32 wgmma
+ * accumulator, resident in registers for the whole sequence.  In the layout
+ * of a 64 x N accumulator, warp w holds rows 16w + g and 16w + g + 8
+ * (g = lane / 4) and, per 8-column tile n, columns 8n + 2(lane % 4) + {0, 1}.
+ *
+ * Per chunk (V-major state S[v][k], KDA.md "Chunked form"):
+ *   1  [P | O1]^T = (S diag(e^c)) . [kdc | qdc]^T     m64 n64 k128   A: state, registers
+ *   2  Uin^T = b (V^T - P^T)                          registers
+ *   3  U^T = Uin^T . INV^T                            m64 n32 k32    A: Uin^T, registers
+ *   4  [S | O]^T = [S diag(e^G_last) | O1^T] + U^T . [Kr | Mqk^T]
+ *                                                     m64 n160 k32   A: U^T, registers
+ * then O is stored as bf16, and after the item's last chunk S goes back to
+ * its pool slot (in place: the slot is read once at the first chunk).
+ */
+#pragma once
+
+#include "kda.h"
+#include "params.h"
+#include "profile.cuh"
+#include "ptx.cuh"
+#include "smem.cuh"
+
+namespace kda {
+
+/* One consumer thread's view: which state rows and columns its registers hold. */
+struct ConsumerLane {
+    int row0;   /* V rows row0 and row0 + 8 */
+    int col;    /* within each 8-column tile: columns col, col + 1 */
+};
+
+
+/* Builds the A fragments (bf16) of one 16-column K slice from an fp32 accumulator. */
+__device__ __forceinline__ void acc_to_a(const float *acc16x16, float s0, float s1, float s2, float s3,
+                                         uint32_t (&a)[4])
+{
+    a[0] = pack_bf16x2(acc16x16[0] * s0, acc16x16[1] * s1);
+    a[1] = pack_bf16x2(acc16x16[2] * s0, acc16x16[3] * s1);
+    a[2] = pack_bf16x2(acc16x16[4] * s2, acc16x16[5] * s3);
+    a[3] = pack_bf16x2(acc16x16[6] * s2, acc16x16[7] * s3);
+}
+
+/* Loads this thread's 64 state values of (slot, head); zeros when asked to start fresh. */
+__device__ __forceinline__ void load_state(float (&acc)[80], const kda_fwd_params &p, int64_t slot,
+                                           int head, ConsumerLane ln, bool zero)
+{
+    const int64_t base = (slot * p.heads + head) * int64_t(D * D);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int64_t at = base + int64_t(ln.row0 + 8 * half) * D + 8 * nt + ln.col;
+            float2 v = make_float2(0.0f, 0.0f);
+            if (!zero) {
+                if (p.state_is_bf16) {
+                    const uint32_t w = *reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(p.state) + at);
+                    v = make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+                } else {
+                    v = *reinterpret_cast<const float2 *>(static_cast<const float *>(p.state) + at);
+                }
+            }
+            acc[4 * nt + 2 * half] = v.x;
+            acc[4 * nt + 2 * half + 1] = v.y;
+        }
+    }
+}
+
+__device__ __forceinline__ void store_state(const float (&acc)[80], const kda_fwd_params &p, int64_t slot,
+                                            int head, ConsumerLane ln)
+{
+    const int64_t base = (slot * p.heads + head) * int64_t(D * D);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int64_t at = base + int64_t(ln.row0 + 8 * half) * D + 8 * nt + ln.col;
+            const float x = acc[4 * nt + 2 * half], y = acc[4 * nt + 2 * half + 1];
+            if (p.state_is_bf16)
+                *reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(p.state) + at) = pack_bf16x2(x, y);
+            else
+                *reinterpret_cast<float2 *>(static_cast<float *>(p.state) + at) = make_float2(x, y);
+        }
+    }
+}
+
+__device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_params &p, int wg, int tid)
+{
+    const int warp = tid >> 5, lane = tid & 31;
+    const ConsumerLane ln{wg * ROWS_PER_CONSUMER + warp * 16 + (lane >> 2), 2 * (lane & 3)};
+    const int64_t stride = int64_t(p.heads) * D;     /* elements between tokens */
+
+    float acc[80];   /* [S | O^T]: n-tiles 0..15 = state columns (key dims), 16..19 = output tokens */
+    float pq[32];    /* [P^T | O1^T]: n-tiles 0..3 = P^T, 4..7 = O1^T */
+    float u[16];     /* U^T */
+    uint16_t *out = nullptr;
+    const uint16_t *vals = nullptr;
+    int64_t slot = 0;
+#pragma unroll
+    for (int i = 0; i < 80; i++)
+        acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        pq[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        u[i] = 0.0f;
+
+    PROF_START(wg == 0 && tid == 0);
+    for (uint32_t n = 0;; n++) {
+        PrepStage &st = sm.prep[n % PREP_STAGES];
+        mbar_wait(&sm.full[n % PREP_STAGES], (n / PREP_STAGES) & 1);
+        PROF_MARK(PROF_C_FULLWAIT);
+        const ChunkHeader hdr = st.hdr;
+        if (hdr.flags & CHUNK_END)
+            break;
+        PROF_COUNT(PROF_CHUNKS);
+        if (hdr.flags & CHUNK_FIRST) {
+            const kda_seq &desc = p.seqs[hdr.seq];
+            out = desc.out;
+            vals = desc.v;
+            slot = desc.slot;
+            load_state(acc, p, slot, hdr.head, ln, desc.flags & KDA_SEQ_ZERO_STATE);
+            PROF_MARK(PROF_C_STATE);
+        }
+
+        /* V^T at this thread's (row, token) positions; the loads overlap step 1 */
+        float vv[16];
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = 8 * nt + ln.col + (e & 1), row = ln.row0 + (e >= 2 ? 8 : 0);
+                vv[4 * nt + e] = i < hdr.ntok
+                                     ? bf16_to_f32(vals[(hdr.t0 + i) * stride + int64_t(hdr.head) * D + row])
+                                     : 0.0f;
+            }
+        }
+
+        /* 1: [P | O1]^T = (S e^c) . [kdc | qdc]^T */
+        uint32_t a1[D / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            const float2 lo = *reinterpret_cast<const float2 *>(&st.gam_mid[16 * ks + ln.col]);
+            const float2 hi = *reinterpret_cast<const float2 *>(&st.gam_mid[16 * ks + 8 + ln.col]);
+            acc_to_a(&acc[8 * ks], lo.x, lo.y, hi.x, hi.y, a1[ks]);
+        }
+        fence_operands(pq);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++)
+            wgmma_m64n64k16_rs(pq, a1[ks], sw128_desc(st.kq.kslice(ks)), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(pq);
+        PROF_MARK(PROF_C_STEP1);
+
+        /* 2: Uin^T = b (V - P)^T */
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt++) {
+            const float2 b = *reinterpret_cast<const float2 *>(&st.beta[8 * nt + ln.col]);
+            pq[4 * nt + 0] = b.x * (vv[4 * nt + 0] - pq[4 * nt + 0]);
+            pq[4 * nt + 1] = b.y * (vv[4 * nt + 1] - pq[4 * nt + 1]);
+            pq[4 * nt + 2] = b.x * (vv[4 * nt + 2] - pq[4 * nt + 2]);
+            pq[4 * nt + 3] = b.y * (vv[4 * nt + 3] - pq[4 * nt + 3]);
+        }
+
+        /* 3: U^T = Uin^T . INV^T */
+        uint32_t a3[C / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < C / 16; ks++)
+            acc_to_a(&pq[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a3[ks]);
+        fence_operands(u);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < C / 16; ks++)
+            wgmma_m64n32k16_rs(u, a3[ks], sw128_desc(st.inv.kslice(ks)), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(u);
+        PROF_MARK(PROF_C_STEP23);
+
+        /* 4: [S | O]^T = [S e^G_last | O1^T] + U^T . [Kr | Mqk^T] */
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            acc[64 + i] = pq[16 + i];
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt++) {
+            const float2 gl = *reinterpret_cast<const float2 *>(&st.gam_last[8 * nt + ln.col]);
+            acc[4 * nt + 0] *= gl.x;
+            acc[4 * nt + 1] *= gl.y;
+            acc[4 * nt + 2] *= gl.x;
+            acc[4 * nt + 3] *= gl.y;
+        }
+        uint32_t a4[C / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < C / 16; ks++)
+            acc_to_a(&u[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a4[ks]);
+        fence_operands(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < C / 16; ks++)
+            wgmma_m64n160k16_rs(acc, a4[ks], sw128_desc(st.krm.kslice(ks)), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc);
+        mbar_arrive(&sm.empty[n % PREP_STAGES]);    /* every read of this stage is done */
+        PROF_MARK(PROF_C_STEP4);
+
+        /* epilogue: this chunk's outputs, and the state after the item's last chunk */
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = 8 * nt + ln.col + (e & 1), row = ln.row0 + (e >= 2 ? 8 : 0);
+                if (i < hdr.ntok)
+                    out[(hdr.t0 + i) * stride + int64_t(hdr.head) * D + row] = f32_to_bf16(acc[64 + 4 * nt + e]);
+            }
+        }
+        if (hdr.flags & CHUNK_LAST)
+            store_state(acc, p, slot, hdr.head, ln);
+        PROF_MARK(PROF_C_EPILOGUE);
+    }
+    PROF_FLUSH(PROF_TOTAL);
+}
+
+}  // namespace kda

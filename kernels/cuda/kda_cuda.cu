@@ -1,0 +1,117 @@
+/*
+ * kda_cuda.cu - the CUDA backend's C API (kda_cuda.h): device checks, the
+ * scheduler counters, batch checks and the launch of the fused kernel.
+ */
+#include "kda_cuda.h"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kda_fwd_sm90.h"
+
+struct kda_cuda {
+    int device;
+    int sm_count;
+    char name[256];
+    kda_sched_counters *sched;   /* device memory, zeroed once; the kernel resets it */
+};
+
+static int cuda_fail(kda_error *err, cudaError_t e, const char *what)
+{
+    return kda_fail(err, KDA_EDEVICE, "%s: %s", what, cudaGetErrorString(e));
+}
+
+extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
+{
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0)
+        return kda_fail(err, KDA_ENOTSUP, "no CUDA device (%s)",
+                        e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+    if (device < 0 || device >= count)
+        return kda_fail(err, KDA_ENOTSUP, "CUDA device %d does not exist (%d present)", device, count);
+    cudaDeviceProp prop;
+    if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess)
+        return cuda_fail(err, e, "cudaGetDeviceProperties");
+    if (prop.major != 9)
+        return kda_fail(err, KDA_ENOTSUP, "%s is sm_%d%d; the fused kernel needs Hopper (sm_90)",
+                        prop.name, prop.major, prop.minor);
+    if (prop.sharedMemPerBlockOptin < kda_fwd_smem_bytes())
+        return kda_fail(err, KDA_ENOTSUP, "%s offers %zu bytes of shared memory per block; the kernel needs %zu",
+                        prop.name, (size_t)prop.sharedMemPerBlockOptin, kda_fwd_smem_bytes());
+    if ((e = cudaSetDevice(device)) != cudaSuccess)
+        return cuda_fail(err, e, "cudaSetDevice");
+    if ((e = kda_fwd_set_attributes()) != cudaSuccess)
+        return cuda_fail(err, e, "cudaFuncSetAttribute");
+
+    kda_cuda *cuda = static_cast<kda_cuda *>(calloc(1, sizeof *cuda));
+    if (!cuda)
+        return kda_fail(err, KDA_ENOMEM, "no memory for the CUDA backend");
+    cuda->device = device;
+    cuda->sm_count = prop.multiProcessorCount;
+    snprintf(cuda->name, sizeof cuda->name, "%s", prop.name);
+    if ((e = cudaMalloc(&cuda->sched, sizeof *cuda->sched)) != cudaSuccess ||
+        (e = cudaMemset(cuda->sched, 0, sizeof *cuda->sched)) != cudaSuccess ||
+        (e = cudaDeviceSynchronize()) != cudaSuccess) {
+        cudaFree(cuda->sched);
+        free(cuda);
+        return cuda_fail(err, e, "allocating the scheduler counters");
+    }
+    *out = cuda;
+    return KDA_OK;
+}
+
+extern "C" void kda_cuda_destroy(kda_cuda *cuda)
+{
+    if (!cuda)
+        return;
+    cudaFree(cuda->sched);
+    free(cuda);
+}
+
+extern "C" const char *kda_cuda_device_name(const kda_cuda *cuda) { return cuda->name; }
+extern "C" int kda_cuda_sm_count(const kda_cuda *cuda) { return cuda->sm_count; }
+
+extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err)
+{
+    int rc = kda_batch_check(pool, seqs, nseqs, err);
+    if (rc != KDA_OK)
+        return rc;
+    if ((int64_t)nseqs * pool->heads > UINT32_MAX)
+        return kda_fail(err, KDA_EINVAL, "%lld sequences x %d heads exceed the kernel's work-item range",
+                        (long long)nseqs, pool->heads);
+    for (int64_t i = 0; i < nseqs; i++) {
+        const kda_seq *s = &seqs[i];
+        const uintptr_t any = (uintptr_t)s->q | (uintptr_t)s->k | (uintptr_t)s->v | (uintptr_t)s->g;
+        if (s->len > 0 && (any & 15))
+            return kda_fail(err, KDA_EINVAL, "seqs[%lld]: q, k, v and g must be 16-byte aligned", (long long)i);
+        if (s->len > INT32_MAX - 32)
+            return kda_fail(err, KDA_EINVAL, "seqs[%lld]: %lld tokens exceed the kernel's range",
+                            (long long)i, (long long)s->len);
+    }
+    return KDA_OK;
+}
+
+extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_seq *seqs_dev,
+                                const int32_t *nseqs_dev, int32_t max_seqs, void *stream, kda_error *err)
+{
+    if (!cuda || !pool || !pool->state || !seqs_dev || !nseqs_dev || max_seqs < 0)
+        return kda_fail(err, KDA_EINVAL, "kda_cuda_prefill: missing pool, descriptors or count");
+    if (pool->heads < 1 || pool->heads > KDA_MAX_HEADS)
+        return kda_fail(err, KDA_EINVAL, "pool heads %d is outside [1, %d]", pool->heads, KDA_MAX_HEADS);
+    if (max_seqs == 0)
+        return KDA_OK;
+    kda_fwd_params p;
+    p.seqs = seqs_dev;
+    p.nseqs = nseqs_dev;
+    p.state = pool->state;
+    p.heads = pool->heads;
+    p.state_is_bf16 = pool->dtype == KDA_DTYPE_BF16;
+    p.sched = cuda->sched;
+    const int64_t items = (int64_t)max_seqs * pool->heads;
+    const int grid = items < cuda->sm_count ? (int)items : cuda->sm_count;
+    cudaError_t e = kda_fwd_launch(p, grid, static_cast<cudaStream_t>(stream));
+    return e == cudaSuccess ? KDA_OK : cuda_fail(err, e, "launching the KDA kernel");
+}

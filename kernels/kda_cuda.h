@@ -1,0 +1,60 @@
+/*
+ * kda_cuda.h - the fused Hopper (sm_90a) backend of the prefill contract.
+ *
+ * One launch runs a whole batch: a persistent grid walks the (sequence, head)
+ * work items of a descriptor table that lives in device memory, so a launch
+ * captured in a CUDA Graph stays valid while the batch's lengths, pointers and
+ * slots change (up to the max_seqs it was captured with).  Launching
+ * allocates nothing and never synchronises the host.
+ *
+ * Everything the kernel reads is device memory: the kda_seq table, the
+ * tensors it points to, the kda_layer structs and their weights, the pool.
+ */
+#ifndef KDA_CUDA_H
+#define KDA_CUDA_H
+
+#include "kda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kda_cuda kda_cuda;
+
+/*
+ * Binds a backend to a device: checks for sm_90 and enough shared memory,
+ * raises the kernel's shared-memory limit and allocates the scheduler's
+ * counters.  Returns KDA_ENOTSUP when no usable GPU is present.
+ */
+int kda_cuda_create(int device, kda_cuda **out, kda_error *err);
+void kda_cuda_destroy(kda_cuda *cuda);
+
+/* Device name and SM count, for logs and hello. */
+const char *kda_cuda_device_name(const kda_cuda *cuda);
+int kda_cuda_sm_count(const kda_cuda *cuda);
+
+/*
+ * Host-side check of a batch before its descriptors are uploaded:
+ * kda_batch_check plus the kernel's alignment rule (q, k, v, g 16-byte
+ * aligned).  Does not dereference device pointers.
+ */
+int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err);
+
+/*
+ * Enqueues one batch on `stream` (a cudaStream_t; NULL = the default stream).
+ * seqs_dev: device array of at least max_seqs descriptors, of which the
+ * first *nseqs_dev are run; both are read when the kernel runs, not now.
+ * Sorting the descriptors longest first balances the work.  The batch must
+ * already satisfy kda_cuda_batch_check.  Returns after enqueueing; errors of
+ * the launch itself are reported, errors during the run surface on the
+ * stream.  One batch at a time per kda_cuda (the scheduler counters are
+ * shared): launches on one stream are fine.
+ */
+int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_seq *seqs_dev,
+                     const int32_t *nseqs_dev, int32_t max_seqs, void *stream, kda_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KDA_CUDA_H */

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Prepares .device/ (git-ignored) for a GPU run: the runtime .debs the GPU
+# host lacks, the golden vectors, and the GPU binaries from build/.  Then call
+# the device tool with carry [".device"] and `scripts/gpu-check.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+shared=${KDAD_SHARED:-$PWD/../shared}
+mkdir -p .device/debs .device/golden .device/bin
+cp "$shared"/device-debs/*.deb .device/debs/
+ls .device/debs/libjson-c5_*.deb >/dev/null 2>&1 || (cd .device/debs && apt-get download -q libjson-c5)
+cp "$shared"/golden/*.safetensors .device/golden/
+cmake --build build -j"$(nproc)" --target test_wgmma_layout test_cuda_kernel bench_kernel bench_kernel_profile
+cp build/tests/test_wgmma_layout build/tests/test_cuda_kernel build/bench/bench_kernel build/bench/bench_kernel_profile .device/bin/
+du -sh .device

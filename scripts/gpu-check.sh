@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs on the GPU host (the `device` tool): the GPU tests, compute-sanitizer on
+# a varlen batch, and the kernel benchmark, from binaries built on the CPU
+# machine and carried in .device/ (see scripts/gpu-bundle.sh).  Full logs go
+# to $OUT; a short summary is printed last.
+#
+#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [profile]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/kdad-gpu}
+mkdir -p "$out" /tmp/debs
+for f in .device/debs/*.deb; do dpkg -x "$f" /tmp/debs; done
+export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export KDAD_GOLDEN_DIR=$PWD/.device/golden
+export KDA_TEST_SEED=${KDA_TEST_SEED:-$(date +%s)}
+steps=${*:-layout kernel sanitize bench profile}
+bin=.device/bin
+declare -A status
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$out/gpu.txt"
+for step in $steps; do
+  case $step in
+    layout)   timeout 60 $bin/test_wgmma_layout > "$out/layout.log" 2>&1 ;;
+    kernel)   timeout 300 $bin/test_cuda_kernel > "$out/kernel.log" 2>&1 ;;
+    sanitize) KDA_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+                $bin/test_cuda_kernel > "$out/memcheck.log" 2>&1; rc=$?
+              KDA_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer --tool racecheck --error-exitcode 9 \
+                $bin/test_cuda_kernel > "$out/racecheck.log" 2>&1; (exit $((rc | $?))) ;;
+    bench)    timeout 400 $bin/bench_kernel --json "$out/h200-kernel.json" > "$out/bench.log" 2>&1 ;;
+    profile)  timeout 300 $bin/bench_kernel_profile --reps 3 > "$out/profile.log" 2>&1 ;;
+    *)        echo "unknown step $step"; continue ;;
+  esac
+  status[$step]=$?
+done
+
+echo "== seed $KDA_TEST_SEED"
+for step in $steps; do
+  case $step in
+    layout)   cat "$out/layout.log" ;;
+    kernel)   grep -E '^\s+\S.*(out|state)|FAILED|PASSED|SKIP|error' "$out/kernel.log" | tail -40 ;;
+    sanitize) grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|Error|hazard' "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null | sort | uniq -c | head ;;
+    bench)    tail -16 "$out/bench.log" ;;
+    profile)  grep '^profile' "$out/profile.log" | sed 's/cycles per chunk://' ;;
+  esac
+  echo "== $step: exit ${status[$step]}"
+done

@@ -1,0 +1,43 @@
+/*
+ * gpu_testutil.h - GPU helpers for the CUDA backend's tests and benchmark:
+ * random fills done on the device, a float64 oracle (the token loop of
+ * KDA.md, one block per (sequence, head)), and error reductions.
+ */
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kda.h"
+
+#define GPU_CHECK(call)                                                                            \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            abort();                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* x[i] = bf16(mean + stddev * N(0,1)), from a counter-based hash of (seed, i). */
+void gpu_fill_normal_bf16(uint16_t *x, size_t n, uint64_t seed, float mean, float stddev);
+/* x[i] = mean + stddev * N(0,1) in the pool's dtype (element count n). */
+void gpu_fill_normal_state(void *x, kda_dtype dtype, size_t n, uint64_t seed, float stddev);
+void gpu_fill_uniform_f32(float *x, size_t n, uint64_t seed, float lo, float hi);
+
+/*
+ * float64 oracle of a batch.  seqs_dev: the descriptors the backend ran
+ * (read for lengths, tensors, layer, slot, flags); before: the pool as it
+ * was before the backend ran.  Writes out_ref at the same element offsets
+ * (relative to out_base) as each sequence's out, and the final state of
+ * sequence n to state_ref[n] ([H][D][D], V-major).
+ */
+void gpu_oracle(const kda_seq *seqs_dev, int32_t nseqs, const kda_pool *before, const uint16_t *out_base,
+                double *out_ref, double *state_ref);
+
+/* sqrt(sum (x - ref)^2 / sum ref^2) over n elements; NaN anywhere gives NaN. */
+double gpu_rel_rms_bf16(const uint16_t *x, const double *ref, size_t n);
+/* The same over the slots named by the batch: pool slot seqs[n].slot against state_ref[n]. */
+double gpu_rel_rms_slots(const kda_pool *pool, const int64_t *slots_host, int32_t nseqs,
+                         const double *state_ref);
