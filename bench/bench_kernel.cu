@@ -161,7 +161,7 @@ static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t
         GPU_CHECK(kda_fwd_profile(prof, true));
         const double chunks = prof[kda::PROF_CHUNKS] ? double(prof[kda::PROF_CHUNKS]) : 1.0;
         static const char *names[kda::PROF_SLOTS] = {
-            "p.fetch", "p.loadwait", "p.emptywait", "p.norms", "p.gates", "p.lmqk", "p.inv",
+            "p.fetch", "p.loadwait", "p.emptywait", "p.operands", "p.lmqk", "p.inv",
             "c.fullwait", "c.state", "c.step1", "c.step23", "c.step4", "c.epilogue", "chunks", "total"};
         printf("profile %-20s CTA 0, %.0f chunks, cycles per chunk:", w.name.c_str(), chunks);
         for (int i = 0; i < kda::PROF_SLOTS; i++)

@@ -9,6 +9,6 @@ mkdir -p .device/debs .device/golden .device/bin
 cp "$shared"/device-debs/*.deb .device/debs/
 ls .device/debs/libjson-c5_*.deb >/dev/null 2>&1 || (cd .device/debs && apt-get download -q libjson-c5)
 cp "$shared"/golden/*.safetensors .device/golden/
-cmake --build build -j"$(nproc)" --target test_wgmma_layout test_cuda_kernel bench_kernel bench_kernel_profile
-cp build/tests/test_wgmma_layout build/tests/test_cuda_kernel build/bench/bench_kernel build/bench/bench_kernel_profile .device/bin/
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build-gpu -j"$(nproc)" --target test_wgmma_layout test_cuda_kernel bench_kernel bench_kernel_profile
+cp build-gpu/tests/test_wgmma_layout build-gpu/tests/test_cuda_kernel build-gpu/bench/bench_kernel build-gpu/bench/bench_kernel_profile .device/bin/
 du -sh .device

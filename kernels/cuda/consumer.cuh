@@ -95,7 +95,6 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
     float pq[32];    /* [P^T | O1^T]: n-tiles 0..3 = P^T, 4..7 = O1^T */
     float u[16];     /* U^T */
     uint16_t *out = nullptr;
-    const uint16_t *vals = nullptr;
     int64_t slot = 0;
 #pragma unroll
     for (int i = 0; i < 80; i++)
@@ -119,23 +118,9 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         if (hdr.flags & CHUNK_FIRST) {
             const kda_seq &desc = p.seqs[hdr.seq];
             out = desc.out;
-            vals = desc.v;
             slot = desc.slot;
             load_state(acc, p, slot, hdr.head, ln, desc.flags & KDA_SEQ_ZERO_STATE);
             PROF_MARK(PROF_C_STATE);
-        }
-
-        /* V^T at this thread's (row, token) positions; the loads overlap step 1 */
-        float vv[16];
-#pragma unroll
-        for (int nt = 0; nt < C / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i = 8 * nt + ln.col + (e & 1), row = ln.row0 + (e >= 2 ? 8 : 0);
-                vv[4 * nt + e] = i < hdr.ntok
-                                     ? bf16_to_f32(vals[(hdr.t0 + i) * stride + int64_t(hdr.head) * D + row])
-                                     : 0.0f;
-            }
         }
 
         /* 1: [P | O1]^T = (S e^c) . [kdc | qdc]^T */
@@ -152,6 +137,17 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         for (int ks = 0; ks < D / 16; ks++)
             wgmma_m64n64k16_rs(pq, a1[ks], sw128_desc(st.kq.kslice(ks)), ks > 0);
         wgmma_commit();
+        /* V^T at this thread's (row, token) positions while step 1 runs: two ldmatrix.trans of the
+           value tile give, per 8-token tile nt, bf16 pairs (tokens 2t, 2t+1) of rows row0 (.x), row0+8 (.y) */
+        uint2 vt[C / 8];
+#pragma unroll
+        for (int call = 0; call < 2; call++) {
+            const int mi = lane >> 3, nt = 2 * call + (mi >> 1), half = mi & 1;
+            uint32_t r[4];
+            ldmatrix_x4_trans(r, st.v.at(8 * nt + (lane & 7), ln.row0 - (lane >> 2) + 8 * half));
+            vt[2 * call] = make_uint2(r[0], r[1]);
+            vt[2 * call + 1] = make_uint2(r[2], r[3]);
+        }
         wgmma_wait<0>();
         fence_operands(pq);
         PROF_MARK(PROF_C_STEP1);
@@ -160,10 +156,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
 #pragma unroll
         for (int nt = 0; nt < C / 8; nt++) {
             const float2 b = *reinterpret_cast<const float2 *>(&st.beta[8 * nt + ln.col]);
-            pq[4 * nt + 0] = b.x * (vv[4 * nt + 0] - pq[4 * nt + 0]);
-            pq[4 * nt + 1] = b.y * (vv[4 * nt + 1] - pq[4 * nt + 1]);
-            pq[4 * nt + 2] = b.x * (vv[4 * nt + 2] - pq[4 * nt + 2]);
-            pq[4 * nt + 3] = b.y * (vv[4 * nt + 3] - pq[4 * nt + 3]);
+            pq[4 * nt + 0] = b.x * (__uint_as_float(vt[nt].x << 16) - pq[4 * nt + 0]);
+            pq[4 * nt + 1] = b.y * (__uint_as_float(vt[nt].x & 0xffff0000u) - pq[4 * nt + 1]);
+            pq[4 * nt + 2] = b.x * (__uint_as_float(vt[nt].y << 16) - pq[4 * nt + 2]);
+            pq[4 * nt + 3] = b.y * (__uint_as_float(vt[nt].y & 0xffff0000u) - pq[4 * nt + 3]);
         }
 
         /* 3: U^T = Uin^T . INV^T */

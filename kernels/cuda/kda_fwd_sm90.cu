@@ -2,7 +2,7 @@
  * kda_fwd_sm90.cu - the fused KDA prefill kernel for Hopper (sm_90a).
  *
  * One persistent CTA per SM, three warpgroups:
- *   WG0      producer: loads chunks (cp.async) and prepares the state-free
+ *   WG0      producer: loads chunks (bulk copies) and prepares the state-free
  *            operands of each chunk (gates, decayed q/k, L, Mqk, (I+L)^-1)
  *   WG1, WG2 consumers: the serial chain, each owning 64 fp32 state rows
  *            in registers, wgmma for every product
@@ -34,6 +34,8 @@ __global__ void __launch_bounds__(THREADS, 1) kda_fwd_kernel(const __grid_consta
             mbar_init(&sm.full[s], WG_THREADS);
             mbar_init(&sm.empty[s], WG_THREADS * CONSUMER_WGS);
         }
+        for (int s = 0; s < RAW_STAGES; s++)
+            mbar_init(&sm.loaded[s], 1);
     }
     __syncthreads();
 

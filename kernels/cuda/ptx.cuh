@@ -1,6 +1,6 @@
 /*
  * ptx.cuh - thin wrappers over the sm_90a instructions the fused kernel uses:
- * mbarriers, cp.async, named barriers, proxy fences, setmaxnreg, wgmma and
+ * mbarriers, bulk copies, named barriers, proxy fences, setmaxnreg, wgmma and
  * its shared-memory descriptors, and a few fast-math primitives.
  *
  * Each wrapper is one instruction (or a predicate set-up plus one); the
@@ -34,14 +34,20 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
                  : "memory");
 }
 
+/*
+ * Tests the phase of the given parity, suspending the warp until it completes
+ * or the time hint (ns) runs out: waiting warps then take no issue slots from
+ * the warps doing the work.
+ */
 __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity)
 {
+    constexpr uint32_t SUSPEND_HINT_NS = 1000000;
     uint32_t done;
     asm volatile("{\n.reg .pred p;\n"
-                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2, %3;\n"
                  "selp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done)
-                 : "r"(smem_u32(bar)), "r"(parity)
+                 : "r"(smem_u32(bar)), "r"(parity), "r"(SUSPEND_HINT_NS)
                  : "memory");
     return done != 0;
 }
@@ -61,21 +67,24 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
 #endif
 }
 
-/* ---- cp.async (global -> shared, 16 bytes, zero-filled past src_bytes) --- */
-
-__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem, uint32_t src_bytes)
+/* Arrives once and adds `bytes` to the transactions the current phase waits for. */
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes)
 {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(src_bytes)
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.release.cta.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+                     smem_u32(bar)),
+                 "r"(bytes)
                  : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+/* ---- bulk copy (copy engine, global -> shared, completes on an mbarrier) -- */
 
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait()
+/* bytes: a multiple of 16; both addresses 16-byte aligned. */
+__device__ __forceinline__ void bulk_copy_g2s(void *smem, const void *gmem, uint32_t bytes, uint64_t *bar)
 {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(smem)),
+                 "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
 }
 
 /* ---- barriers and fences ------------------------------------------------ */
@@ -102,6 +111,14 @@ template <uint32_t REGS>
 __device__ __forceinline__ void setmaxnreg_dec()
 {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+/* Four transposed 8 x 8 bf16 matrices; lane L gives the address of row L % 8 of matrix L / 8. */
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *row)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(row)));
 }
 
 /* ---- fast math ---------------------------------------------------------- */

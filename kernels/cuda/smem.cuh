@@ -2,8 +2,8 @@
  * smem.cuh - the fused kernel's shared memory: tile shapes, the 128-byte
  * swizzled operand layout, the pipeline stages and their barriers.
  *
- *   PrepStage x 3   chunk operands the producer prepares for the consumers
- *   RawStage  x 2   q, k, g of a chunk as loaded by cp.async
+ *   PrepStage x 2   chunk operands the producer prepares for the consumers
+ *   RawStage  x 3   q, k, g, v of a chunk as loaded by the copy engine
  *   ProducerScratch the producer's private working set
  *   full/empty      one mbarrier pair per PrepStage
  */
@@ -15,8 +15,8 @@ namespace kda {
 
 constexpr int D = 128;              /* head dimension (K = V = 128) */
 constexpr int C = 32;               /* tokens per chunk */
-constexpr int PREP_STAGES = 3;      /* prepared chunks in flight */
-constexpr int RAW_STAGES = 2;       /* chunk loads in flight */
+constexpr int PREP_STAGES = 2;      /* prepared chunks in flight: one consumed while one is prepared */
+constexpr int RAW_STAGES = 3;       /* chunk loads in flight: issued two chunks ahead */
 
 /* Warpgroup roles: WG0 prepares chunks, WG1 and WG2 each own 64 state rows. */
 constexpr int WG_THREADS = 128;
@@ -95,6 +95,7 @@ struct alignas(1024) PrepStage {
     Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 k^ e^(G-c), rows 32..63 scale q^ e^(G-c) */
     Sw128Tile<D + C, 64> krm;    /* [160 x 64], cols 0..31: rows 0..127 Kr^T[d][j], 128..159 Mqk[i][j] */
     Sw128Tile<C, 64> inv;        /* [32 x 64], cols 0..31: (I + L)^-1 */
+    Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values, read by ldmatrix.trans */
     float beta[C];               /* sigmoid(beta); 0 past the chunk's last token */
     float gam_last[D];           /* e^(G_last): the state's decay over the chunk, per key dim */
     float gam_mid[D];            /* e^c, c = G at the chunk's middle: undoes the centring in S . kdc */
@@ -105,14 +106,15 @@ struct alignas(128) RawStage {
     uint16_t q[C * D];           /* [32 x 128] bf16, row-major; rows past the end zero-filled */
     uint16_t k[C * D];
     uint16_t g[C * D];
+    uint16_t v[C * D];
 };
 
 struct alignas(1024) ProducerScratch {
     Sw128Tile<C, D> kic;         /* [32 x 128]: k^ e^(c-G), the B operand of L and Mqk */
-    float gate[C][D];            /* G_t per key dim (log2 units) between the two gate passes */
-    float lmat[C][C + 1];        /* strictly lower diag(b) kd ki^T, fp32 (padded rows) */
+    float2 half_total[2][D / 2]; /* per key-dim pair: the gate sum over each half of the chunk */
+    float lmat[C][C + 2];        /* strictly lower diag(b) kd ki^T, fp32 (rows padded, 8-byte aligned) */
     float inv[C][C + 1];         /* (I + L)^-1 under construction, fp32 */
-    float x[C / 2][C / 2 + 1];   /* L21 . A^-1 while merging the two diagonal blocks */
+    float x[C / 2][C / 2 + 1];   /* L21 . A^-1 while merging diagonal blocks of the inverse */
     float inv_norm_q[C];
     float inv_norm_k[C];
     int32_t item[2];             /* scheduler broadcast: (seq, head) or (-1, -1) */
@@ -122,6 +124,7 @@ struct SharedStorage {
     PrepStage prep[PREP_STAGES];
     RawStage raw[RAW_STAGES];
     ProducerScratch scratch;
+    uint64_t loaded[RAW_STAGES]; /* bulk copies -> producer: raw stage filled (1 arrival + bytes) */
     uint64_t full[PREP_STAGES];  /* producer -> consumers: stage prepared (128 arrivals) */
     uint64_t empty[PREP_STAGES]; /* consumers -> producer: stage consumed (256 arrivals) */
 };
