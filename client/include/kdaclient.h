@@ -1,0 +1,679 @@
+/*
+ * kdaclient.h - libkdaclient, the C client of kdad (the Kimi Delta Attention
+ * prefill daemon).  This is the whole public API: one header, no other
+ * dependency.  The wire protocol it speaks is proto/PROTOCOL.md (version 1).
+ *
+ * Model
+ *   A kdac_client is one connection to kdad (a Unix stream socket).  Opening
+ *   it connects and runs the hello handshake; it then carries any number of
+ *   requests at once: they are pipelined on the socket and their responses,
+ *   which may come back in any order, are matched to them by id.
+ *
+ *   Every data-path call exists twice:
+ *     kdac_X(...)        blocking: sends, waits for the response, returns it.
+ *     kdac_X_send(...)   non-blocking: queues the request and returns at
+ *                        once; a callback receives the result later.
+ *   The non-blocking form fits any event loop: poll kdac_client_fd() for the
+ *   events kdac_client_events() asks for, and call kdac_client_progress()
+ *   when it is ready.  Callbacks run inside kdac_client_progress() (and
+ *   inside blocking calls, which drive the same connection).
+ *   Setup-time calls (layers, regions, stats) are blocking only.
+ *
+ * Errors
+ *   Every call returns 0 or a negative code (KDAC_E_*), and fills the
+ *   kdac_error passed to it (NULL to ignore) with the code and one sentence:
+ *   the daemon's own message, which names the offending field, or the
+ *   library's.  Codes -1..-99 are the daemon's (the wire table of
+ *   PROTOCOL.md), -100 and below the library's.  A callback never fires for
+ *   a call that returned an error.
+ *
+ * Memory
+ *   Tensor memory named inline (kdac_tensor.data) is sent from where it is,
+ *   without a copy: it must stay alive and unchanged until the request
+ *   completes (the blocking call returns or the callback has run).  Output
+ *   buffers (kdac_output.data) must stay alive until then too; the library
+ *   copies inline results into them before completion.  Pointers inside
+ *   results are owned by the client: in a callback they are valid until the
+ *   callback returns; from a blocking call, until the next call on the same
+ *   client.
+ *
+ * Thread safety
+ *   A kdac_client is not thread-safe: use each client from one thread at a
+ *   time (its callbacks run on that thread).  Distinct clients are
+ *   independent, so a multi-threaded program opens one client per thread.
+ *   The functions that take no client (error tables, kdac_shm_*, sizes,
+ *   version) are thread-safe.
+ *
+ * Reentrancy
+ *   A callback may submit new requests with the *_send functions.  It must
+ *   not call a blocking function or kdac_client_close() on its own client
+ *   (they return KDAC_E_INVALID_ARGUMENT).
+ */
+#ifndef KDACLIENT_H
+#define KDACLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(KDAC_STATIC)
+#define KDAC_EXPORT
+#else
+#define KDAC_EXPORT __attribute__((visibility("default")))
+#endif
+
+#define KDAC_VERSION_MAJOR 0
+#define KDAC_VERSION_MINOR 1
+#define KDAC_VERSION_PATCH 0
+/* (major << 16) | (minor << 8) | patch, for compile-time checks. */
+#define KDAC_VERSION_HEX \
+    ((KDAC_VERSION_MAJOR << 16) | (KDAC_VERSION_MINOR << 8) | KDAC_VERSION_PATCH)
+
+/* The library's version at run time, as KDAC_VERSION_HEX and as "0.1.0". */
+KDAC_EXPORT unsigned kdac_version(void);
+KDAC_EXPORT const char *kdac_version_string(void);
+
+/* ------------------------------------------------------------------------ */
+/* Constants                                                                 */
+/* ------------------------------------------------------------------------ */
+
+#define KDAC_PROTOCOL_VERSION 1      /* the wire protocol version this library speaks */
+#define KDAC_HEAD_DIM 128            /* D: every head is 128 wide */
+#define KDAC_NAME_MAX 64             /* layer names, counter names, features (bytes) */
+#define KDAC_TEXT_MAX 256            /* server and GPU names (bytes) */
+#define KDAC_ERRMSG_MAX 512          /* error messages, including the NUL */
+#define KDAC_PATH_MAX 108            /* socket paths (sizeof sun_path), including the NUL */
+#define KDAC_CUDA_IPC_HANDLE_BYTES 64 /* sizeof(cudaIpcMemHandle_t) */
+#define KDAC_TENSOR_ALIGN 16         /* region offsets must be multiples of this */
+#define KDAC_MAX_FEATURES 64         /* feature names in hello */
+#define KDAC_HIST_MAX_BUCKETS 64     /* latency histogram bounds in stats */
+#define KDAC_STATS_MAX_COUNTERS 64   /* named counters kept per stats map (more are dropped) */
+#define KDAC_DEFAULT_SCALE 0.08838834764831845f /* 1/sqrt(128): the usual output scale */
+
+/* The system service's socket, and the user instance's (under $XDG_RUNTIME_DIR). */
+#define KDAC_SYSTEM_SOCKET "/run/kdad/kdad.sock"
+#define KDAC_USER_SOCKET_NAME "kdad.sock"
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * X(NAME, code, retryable, message).  The first block is the daemon's table
+ * (PROTOCOL.md §Errors, same codes and names); the second is the library's.
+ * "retryable": the same call, made again unchanged later, may succeed.
+ */
+#define KDAC_ERRORS(X)                                                                        \
+    X(PROTOCOL, -1, false, "malformed frame or message")                                     \
+    X(FRAME_TOO_LARGE, -2, false, "frame larger than the cap in force")                      \
+    X(UNSUPPORTED_VERSION, -3, false, "no protocol version in common")                       \
+    X(HELLO_REQUIRED, -4, false, "hello must succeed before any other request")              \
+    X(UNKNOWN_METHOD, -10, false, "unknown method")                                          \
+    X(INVALID_PARAMS, -11, false, "invalid params: wrong field, type, shape or value")       \
+    X(LIMIT_EXCEEDED, -12, false, "request exceeds a limit announced in hello")              \
+    X(UNKNOWN_LAYER, -13, false, "no layer with this name")                                  \
+    X(LAYER_EXISTS, -14, false, "a different layer with this name exists")                   \
+    X(UNKNOWN_SLOT, -15, false, "no such slot")                                              \
+    X(STALE_SLOT, -16, false, "slot handle is stale: the slot was freed")                    \
+    X(POSITION_MISMATCH, -17, false, "slot position differs from expect_pos")                \
+    X(STATE_LOST, -18, false, "slot has no valid state")                                     \
+    X(REGION_INVALID, -19, false, "region unknown, released or unusable")                    \
+    X(REGION_BOUNDS, -20, false, "reference reaches outside its region")                     \
+    X(PERMISSION_DENIED, -21, false, "operation not permitted to this client")               \
+    X(NOT_SUPPORTED, -22, false, "not supported by this daemon")                             \
+    X(POOL_FULL, -30, true, "no free slot in the pool")                                      \
+    X(QUOTA_EXCEEDED, -31, false, "per-client quota exceeded")                               \
+    X(BUSY, -32, true, "daemon overloaded; retry later")                                     \
+    X(SHUTTING_DOWN, -33, true, "daemon is shutting down")                                   \
+    X(DEVICE_FAILED, -40, false, "backend or device failure")                                \
+    X(NO_MEMORY, -41, true, "out of memory")                                                 \
+    X(INTERNAL, -42, false, "internal error")                                                \
+    X(NOT_RUNNING, -100, true, "daemon not running: nothing listens on the socket")          \
+    X(CONNECT, -101, false, "cannot connect to the daemon's socket")                         \
+    X(DISCONNECTED, -102, true, "connection to the daemon lost")                             \
+    X(TIMEOUT, -103, true, "timed out waiting for the daemon")                               \
+    X(CANCELED, -104, false, "canceled: the client was closed")                              \
+    X(INVALID_ARGUMENT, -105, false, "invalid argument")                                     \
+    X(SYSTEM, -106, false, "system call failed")
+
+typedef enum kdac_code {
+    KDAC_OK = 0,
+#define KDAC_CODE_ENTRY(name, code, retryable, message) KDAC_E_##name = code,
+    KDAC_ERRORS(KDAC_CODE_ENTRY)
+#undef KDAC_CODE_ENTRY
+} kdac_code;
+
+/* The detail of a failure. */
+typedef struct kdac_error {
+    int code;                      /* KDAC_OK or a negative code (a newer daemon may send
+                                      codes this table lacks: treat them by `retryable`) */
+    bool retryable;                /* the daemon's flag for its errors; the table's otherwise */
+    char message[KDAC_ERRMSG_MAX]; /* one sentence; not stable, do not parse it */
+} kdac_error;
+
+/* "POOL_FULL" / the table's message / its retryable flag.  Unknown codes:
+ * "UNKNOWN_CODE", "unknown error code", false. */
+KDAC_EXPORT const char *kdac_err_name(int code);
+KDAC_EXPORT const char *kdac_strerror(int code);
+KDAC_EXPORT bool kdac_err_retryable(int code);
+
+/* ------------------------------------------------------------------------ */
+/* Types shared by requests and results                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kdac_dtype {
+    KDAC_DTYPE_BF16 = 0, /* bfloat16: the upper 16 bits of an IEEE binary32 */
+    KDAC_DTYPE_F32 = 1,  /* IEEE binary32 */
+} kdac_dtype;
+
+/* Sizes of the tensors of a prefill and of a slot state, in bytes. */
+static inline uint64_t kdac_token_bytes(uint32_t len, uint32_t heads) /* q k v g out */
+{
+    return (uint64_t)len * heads * KDAC_HEAD_DIM * 2;
+}
+static inline uint64_t kdac_beta_bytes(uint32_t len, uint32_t heads) /* beta */
+{
+    return (uint64_t)len * heads * 2;
+}
+static inline uint64_t kdac_state_bytes(uint32_t heads, kdac_dtype dtype) /* [H][128][128] */
+{
+    return (uint64_t)heads * KDAC_HEAD_DIM * KDAC_HEAD_DIM * (dtype == KDAC_DTYPE_F32 ? 4 : 2);
+}
+
+/*
+ * An input tensor: the bytes inline (data, sent from there without a copy),
+ * or a range of a region this client registered (region >= 1, offset a
+ * multiple of KDAC_TENSOR_ALIGN).  Its size is implied by its field's shape.
+ */
+typedef struct kdac_tensor {
+    const void *data;  /* inline bytes; used when region is 0 */
+    uint32_t region;   /* 0: inline; else a region id */
+    uint64_t offset;   /* byte offset in the region */
+} kdac_tensor;
+
+/*
+ * Where an output goes: into a region (region >= 1: the daemon writes it
+ * there), or inline (region 0: the daemon returns it in the response and
+ * the library copies it to data; data NULL discards it).
+ */
+typedef struct kdac_output {
+    void *data;
+    uint32_t region;
+    uint64_t offset;
+} kdac_output;
+
+static inline kdac_tensor kdac_tensor_inline(const void *data)
+{
+    kdac_tensor t = {data, 0, 0};
+    return t;
+}
+static inline kdac_tensor kdac_tensor_region(uint32_t region, uint64_t offset)
+{
+    kdac_tensor t = {NULL, region, offset};
+    return t;
+}
+static inline kdac_output kdac_output_inline(void *data)
+{
+    kdac_output o = {data, 0, 0};
+    return o;
+}
+static inline kdac_output kdac_output_region(uint32_t region, uint64_t offset)
+{
+    kdac_output o = {NULL, region, offset};
+    return o;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Connection                                                                */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kdac_client kdac_client;
+
+typedef struct kdac_options {
+    const char *socket_path; /* NULL: $KDAD_SOCKET if set, else kdac_socket_default() */
+    const char *client_name; /* sent in hello for the daemon's logs; NULL: "libkdaclient/0.1.0" */
+    int timeout_ms;          /* limit for each blocking call (and open); 0: wait forever.
+                                A blocking call that times out closes the connection, since
+                                the daemon may still act on the request. */
+} kdac_options;
+
+/* Fills the defaults (all NULL / 0). */
+KDAC_EXPORT void kdac_options_init(kdac_options *opts);
+
+/*
+ * The socket path a client uses when the options name none, in buf:
+ * $KDAD_SOCKET if set, else $XDG_RUNTIME_DIR/kdad.sock if that exists, else
+ * /run/kdad/kdad.sock.  KDAC_E_INVALID_ARGUMENT if it does not fit in size.
+ */
+KDAC_EXPORT int kdac_socket_default(char *buf, size_t size);
+
+/*
+ * Connects and runs hello (blocking, bounded by opts->timeout_ms).  On
+ * success *out is an open client, to be closed with kdac_client_close.
+ * opts may be NULL (defaults).
+ * Errors: NOT_RUNNING (no socket, or nobody listening), CONNECT (other
+ * connect failures, e.g. permission), UNSUPPORTED_VERSION (the daemon speaks
+ * another protocol version; the message lists both), PROTOCOL (the peer is
+ * not a kdad of a known protocol), DISCONNECTED, TIMEOUT, PERMISSION_DENIED
+ * (the daemon's configuration refuses this uid), NO_MEMORY, SYSTEM.
+ */
+KDAC_EXPORT int kdac_client_open(kdac_client **out, const kdac_options *opts, kdac_error *err);
+
+/*
+ * Closes the connection and frees the client.  Requests still in flight
+ * complete first, inside this call, with KDAC_E_CANCELED.  Returns 0, or
+ * KDAC_E_INVALID_ARGUMENT (doing nothing) when called from one of the
+ * client's own callbacks.  NULL is a no-op.
+ */
+KDAC_EXPORT int kdac_client_close(kdac_client *c);
+
+/* transports bits of kdac_server_info */
+#define KDAC_TRANSPORT_INLINE 0x1u   /* tensors inside the frame */
+#define KDAC_TRANSPORT_SHM 0x2u      /* host shared memory regions (kdac_region_register_shm) */
+#define KDAC_TRANSPORT_CUDA_IPC 0x4u /* device memory regions (kdac_region_register_cuda) */
+
+typedef struct kdac_limits {
+    uint64_t max_frame_bytes;        /* one frame, either direction */
+    uint64_t max_inline_bytes;       /* inline tensor bytes per request, and per result */
+    uint32_t max_batch_tokens;       /* tokens per prefill request */
+    uint32_t max_batch_seqs;         /* sequences per launch */
+    uint32_t max_seqs_per_request;   /* sequences per prefill request */
+    uint32_t max_slots_per_client;   /* slots one owner may hold */
+    uint32_t max_regions_per_client; /* regions per connection */
+    uint32_t max_inflight_requests;  /* unanswered requests before the daemon stops reading */
+    uint64_t max_inflight_bytes;     /* unanswered request bytes before it stops reading */
+    uint32_t max_layers;             /* layers in the daemon */
+} kdac_limits;
+
+/* What hello told: the daemon, its geometry and its limits. */
+typedef struct kdac_server_info {
+    uint32_t version;                  /* protocol version in use */
+    char server[KDAC_TEXT_MAX + 1];    /* "kdad 0.1.0" */
+    uint64_t instance;                 /* random per daemon start: a change means a restart */
+    char backend[8];                   /* "cuda" or "cpu" */
+    bool has_gpu;                      /* the three gpu_* fields are set */
+    char gpu_name[KDAC_TEXT_MAX + 1];  /* "NVIDIA H200" */
+    char gpu_uuid[KDAC_TEXT_MAX + 1];  /* "GPU-xxxxxxxx-..." (what region_register_cuda names) */
+    uint32_t gpu_index;                /* CUDA ordinal inside the daemon */
+    uint32_t heads;                    /* H */
+    uint32_t slots;                    /* pool size */
+    kdac_dtype state_dtype;            /* the pool's element type */
+    uint32_t transports;               /* KDAC_TRANSPORT_* */
+    bool slots_persist;                /* slots belong to the uid and survive disconnects */
+    uint32_t nfeatures;
+    char features[KDAC_MAX_FEATURES][KDAC_NAME_MAX + 1];
+    kdac_limits limits;
+} kdac_server_info;
+
+/* The hello result of this connection; valid until kdac_client_close. */
+KDAC_EXPORT const kdac_server_info *kdac_client_info(const kdac_client *c);
+/* The socket path this client connected to. */
+KDAC_EXPORT const char *kdac_client_path(const kdac_client *c);
+
+/* ------------------------------------------------------------------------ */
+/* Driving a connection from an event loop                                   */
+/* ------------------------------------------------------------------------ */
+
+#define KDAC_READABLE 0x1 /* poll the fd for input (POLLIN, EPOLLIN, UV_READABLE) */
+#define KDAC_WRITABLE 0x2 /* poll the fd for output (POLLOUT, EPOLLOUT, UV_WRITABLE) */
+
+/*
+ * The connection's socket, non-blocking, for the caller's poller.  It stays
+ * the same descriptor until kdac_client_close (also after a failure), so
+ * stop polling it before closing the client.  Never read or write it.
+ */
+KDAC_EXPORT int kdac_client_fd(const kdac_client *c);
+
+/*
+ * The events to poll for now: KDAC_READABLE while the connection is alive,
+ * plus KDAC_WRITABLE while queued request bytes wait for room in the socket;
+ * 0 once the connection failed.  It changes after *_send calls and after
+ * kdac_client_progress: re-arm the poller when it does.  Level-triggered
+ * and edge-triggered pollers both work (progress runs until the socket
+ * would block).
+ */
+KDAC_EXPORT int kdac_client_events(const kdac_client *c);
+
+/*
+ * Does the I/O that is possible without blocking: writes queued requests,
+ * reads responses and completes them (running their callbacks).  Call it
+ * when the fd is ready (calling it at other times is harmless).  Returns 0,
+ * or the negative code of a connection failure (DISCONNECTED, PROTOCOL,
+ * FRAME_TOO_LARGE, a goodbye's code such as SHUTTING_DOWN): every request in
+ * flight has then completed with that error, and every later call on the
+ * client fails with it.
+ */
+KDAC_EXPORT int kdac_client_progress(kdac_client *c);
+
+/* Transfer state, for progress bars and flow control. */
+typedef struct kdac_io_status {
+    uint32_t inflight;       /* requests sent or queued, not yet completed */
+    uint64_t send_queued;    /* request bytes not yet written to the socket */
+    uint64_t sent_bytes;     /* bytes written since open */
+    uint64_t recv_bytes;     /* bytes read since open */
+    uint64_t frame_have;     /* bytes of the incoming frame received so far */
+    uint64_t frame_len;      /* its length (0 while its header is incomplete) */
+} kdac_io_status;
+
+KDAC_EXPORT void kdac_client_io_status(const kdac_client *c, kdac_io_status *st);
+
+/* ------------------------------------------------------------------------ */
+/* Results of non-blocking calls                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kdac_slot_status {
+    KDAC_SLOT_READY = 0, /* holds a valid state */
+    KDAC_SLOT_EMPTY = 1, /* allocated with KDAC_SLOT_ALLOC_EMPTY, never written */
+    KDAC_SLOT_LOST = 2,  /* a device failure destroyed its state */
+} kdac_slot_status;
+
+typedef struct kdac_slot_entry {
+    uint64_t slot;           /* handle */
+    uint64_t pos;            /* tokens consumed, after the requests that finished */
+    kdac_slot_status status;
+    uint32_t queued;         /* admitted requests waiting on it */
+} kdac_slot_entry;
+
+typedef struct kdac_health_info {
+    bool draining;      /* the daemon is shutting down and refuses new work */
+    uint64_t uptime_us;
+    uint32_t queued;    /* requests waiting for the device */
+    uint32_t running;   /* batches on the device */
+} kdac_health_info;
+
+typedef struct kdac_prefill_result {
+    uint32_t nseqs;
+    const uint64_t *pos; /* [nseqs]: each slot's position after its sequence */
+    uint64_t queue_us;   /* admission to launch, in the daemon */
+    uint64_t run_us;     /* launch to completion of the batch */
+} kdac_prefill_result;
+
+typedef struct kdac_slot_info_result {
+    uint32_t nslots;
+    const kdac_slot_entry *slots; /* [nslots] */
+    uint32_t pool_free;           /* free slots in the pool */
+    uint32_t quota_left;          /* slots this client may still allocate */
+} kdac_slot_info_result;
+
+/* What a completion callback receives.  `method` is the wire name
+ * ("prefill", "slot.alloc", ...); the member of u that matches it is set on
+ * success.  Methods with an empty result set none. */
+typedef struct kdac_result {
+    const char *method;
+    kdac_error error; /* code 0 on success; else why the request failed */
+    union {
+        kdac_prefill_result prefill;                          /* prefill */
+        struct { uint32_t nslots; const uint64_t *slots; } alloc; /* slot.alloc */
+        struct { uint64_t slot, pos; } fork;                  /* slot.fork */
+        struct { uint64_t pos; kdac_dtype dtype; } read;      /* slot.read */
+        kdac_slot_info_result info;                           /* slot.info */
+        kdac_health_info health;                              /* health */
+    } u;
+} kdac_result;
+
+/*
+ * Completion of a *_send call: exactly once per accepted request, with
+ * status 0 or a negative code (res->error holds the detail).  res and what
+ * it points to are valid until the callback returns.
+ */
+typedef void (*kdac_cb)(kdac_client *c, void *data, const kdac_result *res, int status);
+
+/* ------------------------------------------------------------------------ */
+/* Prefill                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* kdac_seq.flags */
+#define KDAC_SEQ_FRESH 0x1u      /* start from a zero state at position 0, whatever the slot held */
+#define KDAC_SEQ_EXPECT_POS 0x2u /* fail (POSITION_MISMATCH) unless the slot is at expect_pos */
+
+/*
+ * One sequence of a prefill: `len` tokens continuing the state in `slot`
+ * (updated in place).  Shapes, with H the daemon's heads:
+ *   q, k, v, g, out   bf16 [len][H][128]     beta   bf16 [len][H]
+ * With len 0 every tensor is ignored (the sequence only checks expect_pos,
+ * or with FRESH zeroes the slot).
+ */
+typedef struct kdac_seq {
+    uint64_t slot;        /* slot handle */
+    uint32_t len;         /* tokens */
+    uint32_t flags;       /* KDAC_SEQ_* (FRESH and EXPECT_POS exclude each other) */
+    uint64_t expect_pos;  /* with KDAC_SEQ_EXPECT_POS */
+    kdac_tensor q, k, v, g, beta;
+    kdac_output out;
+} kdac_seq;
+
+/*
+ * Runs one prefill of nseqs sequences (1..max_seqs_per_request, at most
+ * max_batch_tokens tokens in all, each slot once) with the weights of
+ * `layer`, in one device launch: all of it applies or none.  Inline outputs
+ * are copied to seqs[i].out.data before it returns.  res (may be NULL)
+ * receives the slots' new positions and the daemon's timings.
+ * Errors: INVALID_PARAMS (caught before sending, naming the field),
+ * LIMIT_EXCEEDED (inline bytes or tokens over the limits), UNKNOWN_LAYER,
+ * UNKNOWN_SLOT, STALE_SLOT, PERMISSION_DENIED, POSITION_MISMATCH,
+ * STATE_LOST, REGION_INVALID, REGION_BOUNDS, BUSY, DEVICE_FAILED, and the
+ * connection errors.
+ */
+KDAC_EXPORT int kdac_prefill(kdac_client *c, const char *layer, const kdac_seq *seqs,
+                             uint32_t nseqs, kdac_prefill_result *res, kdac_error *err);
+/* The non-blocking form: queues the request (seqs is copied; the tensor
+ * memory it names is not) and returns; cb gets u.prefill. */
+KDAC_EXPORT int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs,
+                                  uint32_t nseqs, kdac_cb cb, void *data, kdac_error *err);
+
+/* ------------------------------------------------------------------------ */
+/* Slots                                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* kdac_slot_alloc flags */
+#define KDAC_SLOT_ALLOC_EMPTY 0x1u /* leave the slots "empty" instead of zeroing them (for
+                                      slots about to be written, forked into or prefilled
+                                      FRESH) */
+
+/*
+ * Allocates `count` slots (all or none) into slots[count]: each "ready" with
+ * a zero state at position 0, or "empty" with KDAC_SLOT_ALLOC_EMPTY.
+ * Errors: POOL_FULL (retryable), QUOTA_EXCEEDED, INVALID_PARAMS.
+ */
+KDAC_EXPORT int kdac_slot_alloc(kdac_client *c, uint32_t count, unsigned flags, uint64_t *slots,
+                                kdac_error *err);
+KDAC_EXPORT int kdac_slot_alloc_send(kdac_client *c, uint32_t count, unsigned flags, kdac_cb cb,
+                                     void *data, kdac_error *err);
+
+/* Frees n slots (all checked before any is freed); their handles go stale.
+ * Errors: UNKNOWN_SLOT, STALE_SLOT, PERMISSION_DENIED, INVALID_PARAMS. */
+KDAC_EXPORT int kdac_slot_free(kdac_client *c, const uint64_t *slots, uint32_t n,
+                               kdac_error *err);
+KDAC_EXPORT int kdac_slot_free_send(kdac_client *c, const uint64_t *slots, uint32_t n,
+                                    kdac_cb cb, void *data, kdac_error *err);
+
+/* Resets n slots to a zero state at position 0.  Errors: as kdac_slot_free. */
+KDAC_EXPORT int kdac_slot_reset(kdac_client *c, const uint64_t *slots, uint32_t n,
+                                kdac_error *err);
+KDAC_EXPORT int kdac_slot_reset_send(kdac_client *c, const uint64_t *slots, uint32_t n,
+                                     kdac_cb cb, void *data, kdac_error *err);
+
+/*
+ * Copies src's state and position into dst, or into a newly allocated slot
+ * when dst is 0.  *slot (may be NULL) receives the destination, *pos its
+ * position.  Errors: handle errors, STATE_LOST (src not ready), POOL_FULL,
+ * QUOTA_EXCEEDED.
+ */
+KDAC_EXPORT int kdac_slot_fork(kdac_client *c, uint64_t src, uint64_t dst, uint64_t *slot,
+                               uint64_t *pos, kdac_error *err);
+KDAC_EXPORT int kdac_slot_fork_send(kdac_client *c, uint64_t src, uint64_t dst, kdac_cb cb,
+                                    void *data, kdac_error *err);
+
+/*
+ * Snapshot of a slot's state [H][128][128] (V-major) in `dtype` into `out`:
+ * a region range, or an inline buffer of kdac_state_bytes(H, dtype) bytes.
+ * *pos (may be NULL) receives the slot's position.  Errors: handle errors,
+ * STATE_LOST, LIMIT_EXCEEDED (inline state over max_inline_bytes), region
+ * errors.
+ */
+KDAC_EXPORT int kdac_slot_read(kdac_client *c, uint64_t slot, kdac_dtype dtype, kdac_output out,
+                               uint64_t *pos, kdac_error *err);
+KDAC_EXPORT int kdac_slot_read_send(kdac_client *c, uint64_t slot, kdac_dtype dtype,
+                                    kdac_output out, kdac_cb cb, void *data, kdac_error *err);
+
+/* Restores a state ([H][128][128] in dtype, inline or from a region) and
+ * a position into a slot, which becomes "ready".  Errors: handle errors,
+ * LIMIT_EXCEEDED, region errors. */
+KDAC_EXPORT int kdac_slot_write(kdac_client *c, uint64_t slot, uint64_t pos, kdac_dtype dtype,
+                                kdac_tensor state, kdac_error *err);
+KDAC_EXPORT int kdac_slot_write_send(kdac_client *c, uint64_t slot, uint64_t pos,
+                                     kdac_dtype dtype, kdac_tensor state, kdac_cb cb, void *data,
+                                     kdac_error *err);
+
+/* Position, status and queue of n slots, or of every slot this client owns
+ * when n is 0 (slots may then be NULL).  Answered without waiting for
+ * queued work.  Errors: handle errors. */
+KDAC_EXPORT int kdac_slot_info(kdac_client *c, const uint64_t *slots, uint32_t n,
+                               kdac_slot_info_result *res, kdac_error *err);
+KDAC_EXPORT int kdac_slot_info_send(kdac_client *c, const uint64_t *slots, uint32_t n,
+                                    kdac_cb cb, void *data, kdac_error *err);
+
+/* ------------------------------------------------------------------------ */
+/* Health and statistics                                                     */
+/* ------------------------------------------------------------------------ */
+
+KDAC_EXPORT int kdac_health(kdac_client *c, kdac_health_info *res, kdac_error *err);
+KDAC_EXPORT int kdac_health_send(kdac_client *c, kdac_cb cb, void *data, kdac_error *err);
+
+typedef struct kdac_counter {
+    char name[KDAC_NAME_MAX + 1];
+    uint64_t value;
+} kdac_counter;
+
+/* transports indices of kdac_stats_info.bytes_in / bytes_out */
+#define KDAC_TRANSPORT_ID_INLINE 0
+#define KDAC_TRANSPORT_ID_SHM 1
+#define KDAC_TRANSPORT_ID_CUDA_IPC 2
+
+/* The daemon's counters since it started (all connections). */
+typedef struct kdac_stats_info {
+    uint64_t uptime_us;
+    uint32_t connections;         /* open now */
+    uint64_t connections_total;   /* accepted since start */
+    uint64_t requests;            /* answered, every method */
+    uint64_t batches;             /* device launches */
+    uint64_t seqs, tokens;        /* prefilled */
+    /* prefill latency, frame arrival to response queued, in microseconds */
+    uint64_t latency_count, latency_p50_us, latency_p90_us, latency_p99_us, latency_max_us;
+    uint32_t latency_nbounds;                             /* 0..KDAC_HIST_MAX_BUCKETS */
+    uint64_t latency_bounds_us[KDAC_HIST_MAX_BUCKETS];    /* bucket upper bounds */
+    uint64_t latency_counts[KDAC_HIST_MAX_BUCKETS + 1];   /* nbounds + 1 (last: above all) */
+    uint32_t slots_total, slots_used, slots_lost;
+    uint32_t layers, regions;
+    uint32_t nerrors;                                     /* errors answered, by name */
+    kdac_counter errors[KDAC_STATS_MAX_COUNTERS];
+    uint32_t ndisconnects;                                /* connections closed, by reason */
+    kdac_counter disconnects[KDAC_STATS_MAX_COUNTERS];
+    uint64_t bytes_in[3], bytes_out[3];                   /* tensor bytes, by KDAC_TRANSPORT_ID_* */
+} kdac_stats_info;
+
+KDAC_EXPORT int kdac_stats(kdac_client *c, kdac_stats_info *res, kdac_error *err);
+
+/* ------------------------------------------------------------------------ */
+/* Layers (blocking only: they are set up once)                              */
+/* ------------------------------------------------------------------------ */
+
+/* A layer's weights and constants; the arrays are the daemon's H long. */
+typedef struct kdac_layer {
+    const char *name;    /* 1..64 bytes of [A-Za-z0-9._:/-] */
+    const float *A_log;  /* [H], finite */
+    const float *dt_bias; /* [H][128], finite */
+    float lower_bound;   /* gate floor, in [-5, 0) */
+    float scale;         /* output scale; KDAC_DEFAULT_SCALE is 1/sqrt(128) */
+} kdac_layer;
+
+/*
+ * Registers a named layer, daemon-wide.  *created (may be NULL) is false
+ * when an identical layer of that name already existed (so many processes
+ * can register the same layer without coordinating).  Errors: LAYER_EXISTS
+ * (same name, other content), QUOTA_EXCEEDED, INVALID_PARAMS.
+ */
+KDAC_EXPORT int kdac_layer_register(kdac_client *c, const kdac_layer *layer, bool *created,
+                                    kdac_error *err);
+
+typedef struct kdac_layer_info {
+    char name[KDAC_NAME_MAX + 1];
+    float lower_bound;
+    float scale;
+    bool from_config; /* loaded from the daemon's configuration (cannot be dropped) */
+} kdac_layer_info;
+
+/* Lists the layers into layers[cap]; *n receives how many exist (more than
+ * cap means the list was cut: call again with more room). */
+KDAC_EXPORT int kdac_layer_list(kdac_client *c, kdac_layer_info *layers, uint32_t cap,
+                                uint32_t *n, kdac_error *err);
+
+/* Removes a layer's name (running requests keep its weights until they
+ * finish).  Errors: UNKNOWN_LAYER, PERMISSION_DENIED (a configuration layer,
+ * or another uid's). */
+KDAC_EXPORT int kdac_layer_drop(kdac_client *c, const char *name, kdac_error *err);
+
+/* ------------------------------------------------------------------------ */
+/* Regions: zero-copy memory shared with the daemon (blocking only)          */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Host shared memory.  kdac_shm_create makes a memfd of `size` bytes
+ * (MFD_ALLOW_SEALING, sized, sealed against shrinking and growing, as the
+ * daemon requires) and maps it read-write.  `name` labels it in
+ * /proc/PID/fd (NULL: "kdac").  Errors: INVALID_ARGUMENT, SYSTEM.
+ */
+typedef struct kdac_shm {
+    int fd;        /* the memfd (close-on-exec) */
+    void *base;    /* its mapping, size bytes */
+    uint64_t size;
+} kdac_shm;
+
+KDAC_EXPORT int kdac_shm_create(kdac_shm *shm, uint64_t size, const char *name, kdac_error *err);
+/* Unmaps and closes it (the daemon keeps its own mapping while registered). */
+KDAC_EXPORT void kdac_shm_close(kdac_shm *shm);
+
+/*
+ * Registers [0, size) of a sealed memfd as a region of this connection:
+ * the descriptor travels to the daemon with SCM_RIGHTS (the caller keeps
+ * its own).  *region receives the id for kdac_tensor_region /
+ * kdac_output_region.  Regions die with the connection.
+ * Errors: REGION_INVALID (not sealed against shrinking, smaller than size),
+ * QUOTA_EXCEEDED, NOT_SUPPORTED (daemon without shm), INVALID_ARGUMENT.
+ */
+KDAC_EXPORT int kdac_region_register_shm(kdac_client *c, int fd, uint64_t size,
+                                         uint32_t *region, kdac_error *err);
+
+/*
+ * Registers device memory with a CUDA IPC handle: ipc_handle is the 64
+ * bytes of a cudaIpcMemHandle_t from cudaIpcGetMemHandle on a cudaMalloc
+ * allocation; the region is the first `size` bytes of that allocation.
+ * device is the GPU's UUID as the daemon reports it (NULL: the daemon's own
+ * GPU, kdac_client_info()->gpu_uuid).  The library itself needs no CUDA.
+ * Ordering: finish writing the inputs (cudaStreamSynchronize) before
+ * sending a request that names them; outputs are complete when it completes.
+ * Errors: NOT_SUPPORTED (CPU backend), REGION_INVALID (other GPU, handle
+ * cannot be opened, size beyond the allocation), QUOTA_EXCEEDED.
+ */
+KDAC_EXPORT int kdac_region_register_cuda(kdac_client *c, const void *ipc_handle, uint64_t size,
+                                          const char *device, uint32_t *region, kdac_error *err);
+
+/* The same for a VMM allocation exported as a POSIX file descriptor
+ * (cuMemExportToShareableHandle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+ * the fd travels with SCM_RIGHTS. */
+KDAC_EXPORT int kdac_region_register_cuda_fd(kdac_client *c, int fd, uint64_t size,
+                                             const char *device, uint32_t *region,
+                                             kdac_error *err);
+
+/* Releases a region once no request uses it.  Errors: REGION_INVALID. */
+KDAC_EXPORT int kdac_region_release(kdac_client *c, uint32_t region, kdac_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KDACLIENT_H */

@@ -1,0 +1,341 @@
+/*
+ * cmd_info.c - kdactl's read-only commands about the daemon: hello (what
+ * the handshake announced), ping (round trips), health, stats.
+ */
+#include <getopt.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common.h"
+
+/* Parses only --help (and, for ping, --count); returns -1 to go on. */
+static int simple_options(const char *cmd, const char *help, int argc, char **argv,
+                          uint64_t *count)
+{
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'}, {"count", required_argument, NULL, 'c'},
+        {NULL, 0, NULL, 0}};
+    int o;
+    while ((o = getopt_long(argc, argv, count ? "hc:" : "h", opts, NULL)) != -1) {
+        if (o == 'h') {
+            fputs(help, stdout);
+            return EXIT_OK;
+        }
+        if (o == 'c' && count) {
+            if (!parse_u64(optarg, 1, 1000000, count))
+                return ctl_usage(cmd, "--count: '%s' is not in [1, 1000000]", optarg);
+            continue;
+        }
+        return ctl_usage(cmd, "unknown option");
+    }
+    if (optind < argc)
+        return ctl_usage(cmd, "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
+static const char *transports_text(uint32_t t, char *buf, size_t size)
+{
+    snprintf(buf, size, "%s%s%s", t & KDAC_TRANSPORT_INLINE ? "inline " : "",
+             t & KDAC_TRANSPORT_SHM ? "shm " : "", t & KDAC_TRANSPORT_CUDA_IPC ? "cuda_ipc " : "");
+    size_t n = strlen(buf);
+    if (n)
+        buf[n - 1] = 0;
+    return buf;
+}
+
+static json_object *limits_json(const kdac_limits *l)
+{
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "max_frame_bytes", json_u64(l->max_frame_bytes));
+    json_object_object_add(o, "max_inline_bytes", json_u64(l->max_inline_bytes));
+    json_object_object_add(o, "max_batch_tokens", json_u64(l->max_batch_tokens));
+    json_object_object_add(o, "max_batch_seqs", json_u64(l->max_batch_seqs));
+    json_object_object_add(o, "max_seqs_per_request", json_u64(l->max_seqs_per_request));
+    json_object_object_add(o, "max_slots_per_client", json_u64(l->max_slots_per_client));
+    json_object_object_add(o, "max_regions_per_client", json_u64(l->max_regions_per_client));
+    json_object_object_add(o, "max_inflight_requests", json_u64(l->max_inflight_requests));
+    json_object_object_add(o, "max_inflight_bytes", json_u64(l->max_inflight_bytes));
+    json_object_object_add(o, "max_layers", json_u64(l->max_layers));
+    return o;
+}
+
+static void hello_json(const kdac_client *c)
+{
+    const kdac_server_info *i = kdac_client_info(c);
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "socket", json_object_new_string(kdac_client_path(c)));
+    json_object_object_add(o, "version", json_u64(i->version));
+    json_object_object_add(o, "server", json_object_new_string(i->server));
+    json_object_object_add(o, "instance", json_u64(i->instance));
+    json_object_object_add(o, "backend", json_object_new_string(i->backend));
+    json_object *gpu = NULL;
+    if (i->has_gpu) {
+        gpu = json_object_new_object();
+        json_object_object_add(gpu, "name", json_object_new_string(i->gpu_name));
+        json_object_object_add(gpu, "uuid", json_object_new_string(i->gpu_uuid));
+        json_object_object_add(gpu, "index", json_u64(i->gpu_index));
+    }
+    json_object_object_add(o, "gpu", gpu);
+    json_object_object_add(o, "heads", json_u64(i->heads));
+    json_object_object_add(o, "head_dim", json_u64(KDAC_HEAD_DIM));
+    json_object_object_add(o, "slots", json_u64(i->slots));
+    json_object_object_add(o, "state_dtype", json_object_new_string(dtype_name(i->state_dtype)));
+    json_object *tr = json_object_new_array();
+    static const char *const names[] = {"inline", "shm", "cuda_ipc"};
+    for (int t = 0; t < 3; t++) {
+        if (i->transports & (1u << t))
+            json_object_array_add(tr, json_object_new_string(names[t]));
+    }
+    json_object_object_add(o, "transports", tr);
+    json_object_object_add(o, "slots_persist", json_object_new_boolean(i->slots_persist));
+    json_object *f = json_object_new_array();
+    for (uint32_t k = 0; k < i->nfeatures; k++)
+        json_object_array_add(f, json_object_new_string(i->features[k]));
+    json_object_object_add(o, "features", f);
+    json_object_object_add(o, "limits", limits_json(&i->limits));
+    ctl_print_json(o);
+}
+
+static void hello_text(const kdac_client *c)
+{
+    const kdac_server_info *i = kdac_client_info(c);
+    const kdac_limits *l = &i->limits;
+    char tr[64];
+    printf("kdad at %s\n", kdac_client_path(c));
+    printf("  server      %s (instance 0x%016llx)\n", i->server,
+           (unsigned long long)i->instance);
+    printf("  protocol    %u\n", i->version);
+    printf("  backend     %s\n", i->backend);
+    if (i->has_gpu)
+        printf("  gpu         %s (%s, index %u)\n", i->gpu_name, i->gpu_uuid, i->gpu_index);
+    else
+        printf("  gpu         none\n");
+    printf("  geometry    %u heads x %d, %u slots, state %s\n", i->heads, KDAC_HEAD_DIM, i->slots,
+           dtype_name(i->state_dtype));
+    printf("  transports  %s\n", transports_text(i->transports, tr, sizeof(tr)));
+    printf("  slots       %s\n", i->slots_persist ? "persist (owned by uid)"
+                                                  : "freed when their connection closes");
+    printf("  features    ");
+    for (uint32_t k = 0; k < i->nfeatures; k++)
+        printf("%s%s", k ? ", " : "", i->features[k]);
+    printf("%s\n", i->nfeatures ? "" : "none");
+    printf("  limits      frame %llu B, inline %llu B, batch %u tokens / %u seqs, "
+           "%u seqs per request\n", (unsigned long long)l->max_frame_bytes,
+           (unsigned long long)l->max_inline_bytes, l->max_batch_tokens, l->max_batch_seqs,
+           l->max_seqs_per_request);
+    printf("              %u slots and %u regions per client, %u requests / %llu B in flight, "
+           "%u layers\n", l->max_slots_per_client, l->max_regions_per_client,
+           l->max_inflight_requests, (unsigned long long)l->max_inflight_bytes, l->max_layers);
+}
+
+int cmd_hello(ctl *g, int argc, char **argv)
+{
+    int rc = simple_options("hello",
+                            "Usage: kdactl hello\n"
+                            "Connects, runs the protocol handshake and prints what the daemon\n"
+                            "announced: server, backend, GPU, heads, slots, transports, limits.\n",
+                            argc, argv, NULL);
+    if (rc >= 0)
+        return rc;
+    kdac_client *c;
+    if ((rc = ctl_connect(g, &c)))
+        return rc;
+    if (g->json)
+        hello_json(c);
+    else
+        hello_text(c);
+    kdac_client_close(c);
+    return EXIT_OK;
+}
+
+int cmd_ping(ctl *g, int argc, char **argv)
+{
+    uint64_t count = 1;
+    int rc = simple_options("ping",
+                            "Usage: kdactl ping [--count N]\n"
+                            "Connects and times N health round trips (default 1).\n",
+                            argc, argv, &count);
+    if (rc >= 0)
+        return rc;
+    kdac_client *c;
+    if ((rc = ctl_connect(g, &c)))
+        return rc;
+    double min = 1e30, max = 0, sum = 0;
+    kdac_health_info h;
+    kdac_error err;
+    for (uint64_t i = 0; i < count; i++) {
+        double t0 = now_s();
+        if (kdac_health(c, &h, &err) != KDAC_OK) {
+            kdac_client_close(c);
+            return ctl_fail(g, "ping", &err);
+        }
+        double us = (now_s() - t0) * 1e6;
+        min = us < min ? us : min;
+        max = us > max ? us : max;
+        sum += us;
+        if (!g->json)
+            printf("pong from %s at %s: %s, %.0f us\n", kdac_client_info(c)->server,
+                   kdac_client_path(c), h.draining ? "draining" : "ok", us);
+    }
+    if (g->json) {
+        json_object *o = json_object_new_object();
+        json_object_object_add(o, "socket", json_object_new_string(kdac_client_path(c)));
+        json_object_object_add(o, "server", json_object_new_string(kdac_client_info(c)->server));
+        json_object_object_add(o, "status", json_object_new_string(h.draining ? "draining" : "ok"));
+        json_object_object_add(o, "count", json_u64(count));
+        json_object_object_add(o, "rtt_us_min", json_object_new_double(min));
+        json_object_object_add(o, "rtt_us_avg", json_object_new_double(sum / count));
+        json_object_object_add(o, "rtt_us_max", json_object_new_double(max));
+        ctl_print_json(o);
+    } else if (count > 1) {
+        printf("%llu pings: min %.0f us, avg %.0f us, max %.0f us\n", (unsigned long long)count,
+               min, sum / count, max);
+    }
+    kdac_client_close(c);
+    return EXIT_OK;
+}
+
+int cmd_health(ctl *g, int argc, char **argv)
+{
+    int rc = simple_options("health",
+                            "Usage: kdactl health\n"
+                            "Prints ok or draining, uptime, requests queued and batches running.\n",
+                            argc, argv, NULL);
+    if (rc >= 0)
+        return rc;
+    kdac_client *c;
+    if ((rc = ctl_connect(g, &c)))
+        return rc;
+    kdac_health_info h;
+    kdac_error err;
+    rc = kdac_health(c, &h, &err);
+    kdac_client_close(c);
+    if (rc)
+        return ctl_fail(g, "health", &err);
+    if (g->json) {
+        json_object *o = json_object_new_object();
+        json_object_object_add(o, "status", json_object_new_string(h.draining ? "draining" : "ok"));
+        json_object_object_add(o, "uptime_us", json_u64(h.uptime_us));
+        json_object_object_add(o, "queued", json_u64(h.queued));
+        json_object_object_add(o, "running", json_u64(h.running));
+        ctl_print_json(o);
+    } else {
+        printf("%s: up %.1f s, %u requests queued, %u batches running\n",
+               h.draining ? "draining" : "ok", h.uptime_us / 1e6, h.queued, h.running);
+    }
+    return EXIT_OK;
+}
+
+static json_object *counters_json(const kdac_counter *c, uint32_t n)
+{
+    json_object *o = json_object_new_object();
+    for (uint32_t i = 0; i < n; i++)
+        json_object_object_add(o, c[i].name, json_u64(c[i].value));
+    return o;
+}
+
+static void stats_json(const kdac_stats_info *s)
+{
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "uptime_us", json_u64(s->uptime_us));
+    json_object_object_add(o, "connections", json_u64(s->connections));
+    json_object_object_add(o, "connections_total", json_u64(s->connections_total));
+    json_object_object_add(o, "requests", json_u64(s->requests));
+    json_object_object_add(o, "batches", json_u64(s->batches));
+    json_object_object_add(o, "seqs", json_u64(s->seqs));
+    json_object_object_add(o, "tokens", json_u64(s->tokens));
+    json_object *lat = json_object_new_object();
+    json_object_object_add(lat, "count", json_u64(s->latency_count));
+    json_object_object_add(lat, "p50", json_u64(s->latency_p50_us));
+    json_object_object_add(lat, "p90", json_u64(s->latency_p90_us));
+    json_object_object_add(lat, "p99", json_u64(s->latency_p99_us));
+    json_object_object_add(lat, "max", json_u64(s->latency_max_us));
+    json_object *bounds = json_object_new_array(), *counts = json_object_new_array();
+    for (uint32_t i = 0; i < s->latency_nbounds; i++)
+        json_object_array_add(bounds, json_u64(s->latency_bounds_us[i]));
+    for (uint32_t i = 0; i <= s->latency_nbounds; i++)
+        json_object_array_add(counts, json_u64(s->latency_counts[i]));
+    json_object_object_add(lat, "bounds", bounds);
+    json_object_object_add(lat, "counts", counts);
+    json_object_object_add(o, "latency_us", lat);
+    json_object *pool = json_object_new_object();
+    json_object_object_add(pool, "slots", json_u64(s->slots_total));
+    json_object_object_add(pool, "used", json_u64(s->slots_used));
+    json_object_object_add(pool, "lost", json_u64(s->slots_lost));
+    json_object_object_add(o, "pool", pool);
+    json_object_object_add(o, "layers", json_u64(s->layers));
+    json_object_object_add(o, "regions", json_u64(s->regions));
+    json_object_object_add(o, "errors", counters_json(s->errors, s->nerrors));
+    json_object_object_add(o, "disconnects", counters_json(s->disconnects, s->ndisconnects));
+    json_object *tb = json_object_new_object();
+    static const char *const names[] = {"inline", "shm", "cuda_ipc"};
+    for (int t = 0; t < 3; t++) {
+        json_object *io = json_object_new_object();
+        json_object_object_add(io, "in", json_u64(s->bytes_in[t]));
+        json_object_object_add(io, "out", json_u64(s->bytes_out[t]));
+        json_object_object_add(tb, names[t], io);
+    }
+    json_object_object_add(o, "transport_bytes", tb);
+    ctl_print_json(o);
+}
+
+static void print_counters(const char *title, const kdac_counter *c, uint32_t n)
+{
+    printf("  %-12s", title);
+    for (uint32_t i = 0; i < n; i++)
+        printf("%s%s %llu", i ? ", " : "", c[i].name, (unsigned long long)c[i].value);
+    printf("%s\n", n ? "" : "none");
+}
+
+static void stats_text(const kdac_stats_info *s)
+{
+    printf("kdad statistics (up %.1f s)\n", s->uptime_us / 1e6);
+    printf("  connections %u open, %llu since start\n", s->connections,
+           (unsigned long long)s->connections_total);
+    printf("  requests    %llu answered\n", (unsigned long long)s->requests);
+    printf("  prefill     %llu sequences, %llu tokens in %llu batches\n",
+           (unsigned long long)s->seqs, (unsigned long long)s->tokens,
+           (unsigned long long)s->batches);
+    printf("  latency     %llu prefills: p50 %llu us, p90 %llu us, p99 %llu us, max %llu us\n",
+           (unsigned long long)s->latency_count, (unsigned long long)s->latency_p50_us,
+           (unsigned long long)s->latency_p90_us, (unsigned long long)s->latency_p99_us,
+           (unsigned long long)s->latency_max_us);
+    printf("  pool        %u slots, %u used, %u lost\n", s->slots_total, s->slots_used,
+           s->slots_lost);
+    printf("  registry    %u layers, %u regions\n", s->layers, s->regions);
+    print_counters("errors", s->errors, s->nerrors);
+    print_counters("disconnects", s->disconnects, s->ndisconnects);
+    static const char *const names[] = {"inline", "shm", "cuda_ipc"};
+    for (int t = 0; t < 3; t++) {
+        char in[32], out[32];
+        format_bytes((double)s->bytes_in[t], in, sizeof(in));
+        format_bytes((double)s->bytes_out[t], out, sizeof(out));
+        printf("  %-12s%s in, %s out\n", names[t], in, out);
+    }
+}
+
+int cmd_stats(ctl *g, int argc, char **argv)
+{
+    int rc = simple_options("stats",
+                            "Usage: kdactl stats\n"
+                            "Prints the daemon's counters since it started: connections,\n"
+                            "requests, prefill sequences and tokens, latency percentiles, pool\n"
+                            "use, errors by name, disconnects by reason, bytes by transport.\n",
+                            argc, argv, NULL);
+    if (rc >= 0)
+        return rc;
+    kdac_client *c;
+    if ((rc = ctl_connect(g, &c)))
+        return rc;
+    kdac_stats_info s;
+    kdac_error err;
+    rc = kdac_stats(c, &s, &err);
+    kdac_client_close(c);
+    if (rc)
+        return ctl_fail(g, "stats", &err);
+    if (g->json)
+        stats_json(&s);
+    else
+        stats_text(&s);
+    return EXIT_OK;
+}

@@ -1,0 +1,206 @@
+/*
+ * common.c - kdactl's shared helpers (see common.h).
+ */
+#include "common.h"
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define KDACTL_STR2(x) #x
+#define KDACTL_STR(x) KDACTL_STR2(x)
+#define KDACTL_PROTOCOL_TEXT KDACTL_STR(KDAC_PROTOCOL_VERSION)
+
+int ctl_exit_code(int code)
+{
+    switch (code) {
+    case KDAC_OK:
+        return EXIT_OK;
+    case KDAC_E_NOT_RUNNING:
+    case KDAC_E_CONNECT:
+        return EXIT_UNREACHABLE;
+    case KDAC_E_UNSUPPORTED_VERSION:
+    case KDAC_E_PROTOCOL:
+    case KDAC_E_FRAME_TOO_LARGE:
+        return EXIT_PROTOCOL;
+    case KDAC_E_NOT_SUPPORTED:
+        return EXIT_UNSUPPORTED;
+    case KDAC_E_DISCONNECTED:
+    case KDAC_E_TIMEOUT:
+    case KDAC_E_SHUTTING_DOWN:
+        return EXIT_LOST;
+    default:
+        return EXIT_REFUSED;
+    }
+}
+
+static void json_error(int code, const char *name, const char *message, bool retryable,
+                       int exit_code)
+{
+    json_object *e = json_object_new_object();
+    json_object_object_add(e, "code", json_object_new_int(code));
+    json_object_object_add(e, "name", json_object_new_string(name));
+    json_object_object_add(e, "message", json_object_new_string(message));
+    json_object_object_add(e, "retryable", json_object_new_boolean(retryable));
+    json_object_object_add(e, "exit_code", json_object_new_int(exit_code));
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "error", e);
+    ctl_print_json(o);
+}
+
+int ctl_fail(const ctl *g, const char *what, const kdac_error *err)
+{
+    int rc = ctl_exit_code(err->code);
+    if (g->json)
+        json_error(err->code, kdac_err_name(err->code), err->message, err->retryable, rc);
+    else
+        fprintf(stderr, "kdactl: %s: %s (%s%s)\n", what, err->message, kdac_err_name(err->code),
+                err->retryable ? ", retryable" : "");
+    return rc;
+}
+
+int ctl_error(const ctl *g, int exit_code, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    if (g->json)
+        json_error(0, "KDACTL", msg, false, exit_code);
+    else
+        fprintf(stderr, "kdactl: %s\n", msg);
+    return exit_code;
+}
+
+int ctl_set_error(kdac_error *err, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof(err->message), fmt, ap);
+    va_end(ap);
+    err->code = code;
+    err->retryable = kdac_err_retryable(code);
+    return code;
+}
+
+int ctl_usage(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "kdactl %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\nTry 'kdactl %s --help'.\n", cmd);
+    va_end(ap);
+    return EXIT_USAGE;
+}
+
+int ctl_connect(const ctl *g, kdac_client **c)
+{
+    kdac_options o;
+    kdac_options_init(&o);
+    o.socket_path = g->socket;
+    o.timeout_ms = g->timeout_ms;
+    char name[32];
+    snprintf(name, sizeof(name), "kdactl/%s", kdac_version_string());
+    o.client_name = name;
+    kdac_error err;
+    int rc = kdac_client_open(c, &o, &err);
+    if (rc == KDAC_OK)
+        return EXIT_OK;
+    if (rc == KDAC_E_UNSUPPORTED_VERSION)
+        return ctl_fail(g, "connect: the daemon speaks another protocol version than this "
+                        "kdactl (protocol " KDACTL_PROTOCOL_TEXT ")", &err);
+    return ctl_fail(g, "connect", &err);
+}
+
+bool parse_u64(const char *s, uint64_t min, uint64_t max, uint64_t *out)
+{
+    if (!s || !*s || *s == '-')
+        return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 0);
+    if (errno || *end || v < min || v > max)
+        return false;
+    *out = v;
+    return true;
+}
+
+bool parse_double(const char *s, double *out)
+{
+    if (!s || !*s)
+        return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || !isfinite(v))
+        return false;
+    *out = v;
+    return true;
+}
+
+bool parse_handle(const char *s, uint64_t *out)
+{
+    return parse_u64(s, 1, UINT64_MAX, out);
+}
+
+void ctl_print_json(json_object *o)
+{
+    puts(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_NOSLASHESCAPE));
+    json_object_put(o);
+}
+
+json_object *json_u64(uint64_t v)
+{
+    return json_object_new_uint64(v);
+}
+
+const char *dtype_name(kdac_dtype t)
+{
+    return t == KDAC_DTYPE_F32 ? "f32" : "bf16";
+}
+
+void format_bytes(double bytes, char *buf, size_t size)
+{
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (bytes >= 1024 && u < 4) {
+        bytes /= 1024;
+        u++;
+    }
+    snprintf(buf, size, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+}
+
+double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int ctl_wait(kdac_client *c, const int *count, int target, progress *bar, uint64_t base)
+{
+    while (*count < target) {
+        struct pollfd p = {kdac_client_fd(c), POLLIN, 0};
+        int ev = kdac_client_events(c);
+        if (ev & KDAC_WRITABLE)
+            p.events |= POLLOUT;
+        if (ev && poll(&p, 1, 100) < 0 && errno != EINTR)
+            return KDAC_E_SYSTEM;
+        int rc = kdac_client_progress(c);
+        if (bar) {
+            kdac_io_status st;
+            kdac_client_io_status(c, &st);
+            progress_update(bar, st.sent_bytes + st.recv_bytes - base);
+        }
+        if (rc != KDAC_OK)
+            return rc; /* every request in flight has completed with it */
+    }
+    return KDAC_OK;
+}
