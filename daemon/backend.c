@@ -1,0 +1,89 @@
+/*
+ * backend.c - backend selection and the parts every backend shares: the
+ * in-flight count, completion, and state dtype conversion.
+ */
+#include "backend.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "log.h"
+
+int kd_backend_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend_done_cb done,
+                      void *ctx, kd_backend **out, char *err, size_t errlen)
+{
+    int rc = KP_E_NOT_SUPPORTED;
+    *out = NULL;
+    if (cfg->kind != KD_BACKEND_CPU) {
+#ifdef KDAD_HAVE_CUDA
+        rc = kd_backend_cuda_create(loop, cfg, out, err, errlen);
+#else
+        snprintf(err, errlen, "this kdad was built without the CUDA backend");
+#endif
+        if (rc != KP_OK && cfg->kind == KD_BACKEND_CUDA)
+            return rc;
+        if (rc != KP_OK)
+            KD_INFO("backend auto: cuda unavailable (%s); using cpu", err);
+    }
+    if (rc != KP_OK && (rc = kd_backend_cpu_create(loop, cfg, out, err, errlen)) != KP_OK)
+        return rc;
+    (*out)->loop = loop;
+    (*out)->done = done;
+    (*out)->done_ctx = ctx;
+    return KP_OK;
+}
+
+void kd_backend_destroy(kd_backend *b)
+{
+    if (b)
+        b->ops->destroy(b);
+}
+
+int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
+{
+    batch->status = KD_BATCH_OK;
+    batch->code = KP_OK;
+    batch->message[0] = '\0';
+    int rc = b->ops->submit(b, batch, err);
+    if (rc == KP_OK)
+        b->inflight++;
+    return rc;
+}
+
+void kd_backend_complete(kd_backend *b, kd_batch *batch)
+{
+    b->inflight--;
+    b->done(b->done_ctx, batch);
+}
+
+uint64_t kd_backend_slot_bytes(const kd_backend *b)
+{
+    return (uint64_t)kda_slot_elems(b->pool.heads) * kda_dtype_size(b->pool.dtype);
+}
+
+void kd_state_convert(void *dst, kda_dtype dst_dtype, const void *src, kda_dtype src_dtype,
+                      uint64_t n)
+{
+    if (dst_dtype == src_dtype) {
+        memcpy(dst, src, n * kda_dtype_size(dst_dtype));
+        return;
+    }
+    uint8_t *d = dst;
+    const uint8_t *s = src;
+    if (dst_dtype == KDA_DTYPE_F32) { /* bf16 -> f32: exact */
+        for (uint64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, s + 2 * i, 2);
+            float f = kda_bf16_to_f32(h);
+            memcpy(d + 4 * i, &f, 4);
+        }
+    } else { /* f32 -> bf16: round to nearest even */
+        for (uint64_t i = 0; i < n; i++) {
+            float f;
+            memcpy(&f, s + 4 * i, 4);
+            uint16_t h = kda_f32_to_bf16(f);
+            memcpy(d + 2 * i, &h, 2);
+        }
+    }
+}

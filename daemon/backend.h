@@ -1,0 +1,180 @@
+/*
+ * backend.h - what kdad asks of a backend: the state pool's memory, layer
+ * weights where the kernel reads them, region memory the device can use,
+ * and batches run asynchronously with their completion reported back on the
+ * loop thread.
+ *
+ * A batch holds the prefill sequences of one fused launch plus slot
+ * operations (zero, copy, read out, write in).  Everything in one batch
+ * names distinct slots (the scheduler guarantees it), so the backend may run
+ * the operations and the launch in any order; it runs operations in list
+ * order, which matters only for a ZERO that clears a slot a READ or COPY of
+ * the same batch then reads.
+ *
+ * Buffers (kd_buf) carry a host address, a device address, or both:
+ *   inline tensors and inline outputs   host only (the cuda backend stages them)
+ *   shared-memory regions               host, plus a device alias on cuda (pinned, mapped)
+ *   CUDA IPC regions                    device only (cuda backend only)
+ * The cpu backend uses host addresses; the cuda backend uses the device
+ * address when there is one and stages through its pinned buffers otherwise.
+ *
+ * Backends: backend_cpu.c (kda_cpu on a libuv worker thread) and
+ * backend_cuda.c (the fused Hopper kernel via CUDA Graphs; built only with
+ * KDAD_HAVE_CUDA).
+ */
+#ifndef KDAD_BACKEND_H
+#define KDAD_BACKEND_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "config.h"
+#include "kda.h"
+#include "kdaproto.h"
+
+typedef struct kd_backend kd_backend;
+
+/* A buffer as a request resolved it (see above). */
+typedef struct kd_buf {
+    void *host; /* host address, or NULL for device-only memory */
+    void *dev;  /* address the device reads/writes directly, or NULL */
+} kd_buf;
+
+/* One prefill sequence of a launch. */
+typedef struct kd_batch_seq {
+    kd_buf in[5];            /* q, k, v, g (bf16 [len][H][128]), beta (bf16 [len][H]) */
+    kd_buf out;              /* bf16 [len][H][128] */
+    const kda_layer *layer;  /* the backend's copy (kd_layer.dev) */
+    int64_t len;             /* >= 1: zero-length sequences never reach a backend */
+    int64_t slot;
+    uint32_t flags;          /* KDA_SEQ_ZERO_STATE for fresh sequences and lazily zeroed slots */
+} kd_batch_seq;
+
+typedef enum kd_op_kind {
+    KD_OP_ZERO,  /* slot := 0 */
+    KD_OP_COPY,  /* slot := src */
+    KD_OP_READ,  /* buf := slot, converted to dtype */
+    KD_OP_WRITE, /* slot := buf, converted from dtype */
+} kd_op_kind;
+
+typedef struct kd_slot_op {
+    kd_op_kind kind;
+    uint32_t slot;   /* the slot operated on (COPY: the destination) */
+    uint32_t src;    /* COPY: the source */
+    kda_dtype dtype; /* READ, WRITE: element type of buf ([H][128][128], V-major) */
+    kd_buf buf;      /* READ, WRITE */
+} kd_slot_op;
+
+/* Outcome of a batch. */
+typedef enum kd_batch_status {
+    KD_BATCH_OK = 0,
+    KD_BATCH_FAILED, /* the launch did not run; states untouched; requests get `code` */
+    KD_BATCH_LOST,   /* the launch failed; the states of its sequences may be damaged */
+    KD_BATCH_FATAL,  /* the device is unusable: every state is suspect, kdad must exit */
+} kd_batch_status;
+
+typedef struct kd_batch {
+    kd_batch_seq *seqs;
+    uint32_t nseqs;
+    kd_slot_op *ops;  /* run before the launch, in order; they fail only with KD_BATCH_FATAL */
+    uint32_t nops;
+    /* Set by the backend before the completion callback. */
+    kd_batch_status status;
+    int code;          /* kp_code for FAILED (KP_E_NO_MEMORY, KP_E_INTERNAL, ...) */
+    char message[256];
+    uint64_t launch_ns, done_ns; /* uv_hrtime() at the start and end of the device work */
+} kd_batch;
+
+/* Runs on the loop thread when a submitted batch is done (whatever its status). */
+typedef void (*kd_backend_done_cb)(void *ctx, kd_batch *batch);
+
+typedef struct kd_backend_ops {
+    /* Starts a batch; 0, or a kp_code (then the callback never fires). */
+    int (*submit)(kd_backend *b, kd_batch *batch, kp_error *err);
+    /* Copies a layer's weights where the kernel reads them; *dev is what
+     * kd_batch_seq.layer must hold. */
+    int (*layer_upload)(kd_backend *b, const kda_layer *host, const kda_layer **dev, void **handle,
+                        kp_error *err);
+    void (*layer_release)(kd_backend *b, const kda_layer *dev, void *handle);
+    /* Makes a shared-memory mapping usable by the device (pinning); NULL when
+     * the backend reads host memory anyway. */
+    int (*pin_host)(kd_backend *b, void *host, uint64_t size, void **dev, void **handle,
+                    kp_error *err);
+    void (*unpin_host)(kd_backend *b, void *handle);
+    /* Opens a client's CUDA IPC memory; NULL when unsupported. */
+    int (*open_ipc)(kd_backend *b, const kp_region_register_cuda_params *p, void **dev,
+                    void **handle, kp_error *err);
+    void (*close_ipc)(kd_backend *b, void *handle);
+    /* Frees everything; no batch may be in flight. */
+    void (*destroy)(kd_backend *b);
+} kd_backend_ops;
+
+typedef struct kd_backend_info {
+    kp_backend kind;
+    const char *name;           /* "cpu" | "cuda" */
+    bool has_gpu;
+    char gpu_name[KP_TEXT_MAX];
+    char gpu_uuid[64];          /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
+    uint32_t gpu_index;
+    uint32_t transports;        /* KP_TRANSPORT_* the backend can serve */
+    uint32_t depth;             /* batches it takes at once (2: double-buffered) */
+    bool stages_host;           /* host-only buffers are staged (kd_job_cost.stage_*) */
+    uint64_t max_stage_in;      /* staging bytes per batch, each way */
+    uint64_t max_stage_out;
+} kd_backend_info;
+
+struct kd_backend {
+    const kd_backend_ops *ops;
+    kd_backend_info info;
+    kda_pool pool;              /* state memory: host (cpu) or device (cuda) */
+    uv_loop_t *loop;
+    kd_backend_done_cb done;
+    void *done_ctx;
+    uint32_t inflight;          /* batches submitted and not completed */
+};
+
+typedef struct kd_backend_config {
+    kd_backend_kind kind;    /* config.h */
+    uint32_t device;         /* cuda ordinal */
+    uint32_t cpu_threads;    /* 0: one per CPU */
+    uint32_t heads, slots;
+    kda_dtype dtype;
+    const uint32_t *buckets; /* cuda graph buckets, increasing; the last >= max_batch_seqs */
+    uint32_t nbuckets;
+    uint64_t max_inline_bytes; /* sizes the cuda staging buffers */
+} kd_backend_config;
+
+/*
+ * Creates the backend a config asks for: auto tries cuda (when built in)
+ * and falls back to cpu, logging why.  Returns 0, or KP_E_NOT_SUPPORTED
+ * when an explicitly requested backend is unavailable (err says why), or
+ * another kp_code.
+ */
+int kd_backend_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend_done_cb done,
+                      void *ctx, kd_backend **out, char *err, size_t errlen);
+void kd_backend_destroy(kd_backend *b);
+
+/* Submits and counts the batch in flight. */
+int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err);
+/* Called by backends on the loop thread when a batch is done. */
+void kd_backend_complete(kd_backend *b, kd_batch *batch);
+
+/* Bytes of one slot's state in the pool's dtype. */
+uint64_t kd_backend_slot_bytes(const kd_backend *b);
+
+/* Converts n state elements between dtypes (memcpy when equal).  Host only;
+ * src and dst may be unaligned. */
+void kd_state_convert(void *dst, kda_dtype dst_dtype, const void *src, kda_dtype src_dtype,
+                      uint64_t n);
+
+int kd_backend_cpu_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend **out,
+                          char *err, size_t errlen);
+#ifdef KDAD_HAVE_CUDA
+/* KP_E_NOT_SUPPORTED when no usable GPU is present. */
+int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend **out,
+                           char *err, size_t errlen);
+#endif
+
+#endif /* KDAD_BACKEND_H */

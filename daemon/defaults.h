@@ -1,0 +1,53 @@
+/*
+ * defaults.h - every cap and default of kdad in one place.
+ *
+ * The limits announced in hello (frame, inline, batch, per-client quotas)
+ * have their named defaults in proto/kdaproto.h (KP_DEFAULT_*), shared with
+ * the client; the daemon-side caps below are never sent on the wire.  Every
+ * value here is the default of a config/kdad.yaml key (named in the comment)
+ * unless it says "fixed".
+ */
+#ifndef KDAD_DEFAULTS_H
+#define KDAD_DEFAULTS_H
+
+#define KD_VERSION_STRING "0.1.0"          /* fixed: hello's "server" is "kdad " this */
+
+/* Exit codes of kdad (documented in docs/daemon.md). */
+#define KD_EXIT_OK 0
+#define KD_EXIT_FAILURE 1          /* runtime failure, device failure */
+#define KD_EXIT_USAGE 2            /* bad command line or configuration */
+#define KD_EXIT_UNAVAILABLE 69     /* the requested backend is not available (sysexits EX_UNAVAILABLE) */
+
+/* Geometry */
+#define KD_DEFAULT_HEADS 96                      /* heads */
+#define KD_DEFAULT_SLOTS 256                     /* slots */
+#define KD_MAX_SLOTS (1u << 24)                  /* fixed: ceiling of slots (handles keep 32 bits of index) */
+
+/* Clients */
+#define KD_DEFAULT_MAX_CONNECTIONS 1024u         /* clients.max_connections */
+#define KD_DEFAULT_OUTPUT_HARD_LIMIT (1ull << 30) /* clients.output_hard_limit: unread bytes that close at once */
+#define KD_DEFAULT_OUTPUT_SOFT_LIMIT (512ull << 20) /* clients.output_soft_limit */
+#define KD_DEFAULT_OUTPUT_SOFT_SECONDS 10u       /* clients.output_soft_seconds: time above the soft limit */
+#define KD_CLOSE_FLUSH_MS 2000u                  /* fixed: time a goodbye gets to drain before the close */
+
+/* Batching */
+#define KD_DEFAULT_MAX_QUEUED_REQUESTS 4096u     /* batching.max_queued_requests, daemon-wide */
+#define KD_MAX_GRAPH_BUCKETS 32                  /* fixed: entries of batching.graph_buckets */
+
+/* I/O per wakeup: a busy connection yields the loop to the others after this much. */
+#define KD_READ_BUDGET_BYTES (8u << 20)          /* fixed */
+#define KD_WRITE_BUDGET_BYTES (16u << 20)        /* fixed */
+#define KD_READ_BUFFER_BYTES (64u << 10)         /* fixed: small frames are read through this buffer;
+                                                    larger bodies go straight into the frame */
+
+/* Shutdown and housekeeping */
+#define KD_DEFAULT_DRAIN_TIMEOUT_MS 30000u       /* drain_timeout_ms: then queued requests get SHUTTING_DOWN */
+#define KD_HOUSEKEEPING_MS 1000u                 /* fixed: output soft-limit checks */
+#define KD_DEFAULT_METRICS_INTERVAL_MS 10000u    /* metrics.interval_ms */
+
+/* CUDA backend */
+#define KD_CUDA_DEPTH 2               /* fixed: batches queued on the stream (double buffering) */
+#define KD_CUDA_POLL_MS 50            /* fixed: how often a running batch's event is checked for faults */
+#define KD_STAGE_ALIGN 256            /* fixed: staged tensors start on this boundary (kernel needs 16) */
+
+#endif /* KDAD_DEFAULTS_H */

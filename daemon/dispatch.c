@@ -1,0 +1,565 @@
+/*
+ * dispatch.c - see dispatch.h.  The handlers here are the methods answered
+ * at once: hello, health, stats, layer.register / list / drop, slot.alloc,
+ * slot.info, region.register_shm / register_cuda / release.
+ */
+#include "dispatch.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "defaults.h"
+#include "exec.h"
+#include "log.h"
+
+/* ---------------------------------------------------------------------- */
+/* Answering                                                              */
+/* ---------------------------------------------------------------------- */
+
+/* The last step of every request: accounting, then free. */
+static void finish(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        c->req_head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    else
+        c->req_tail = r->prev;
+    c->inflight--;
+    c->inflight_bytes -= r->body_len;
+    if (r->exec)
+        kd_exec_release(r);
+    if (r->fd >= 0)
+        close(r->fd);
+    kp_msg_close(&r->msg);
+    free(r->body);
+    free(r);
+    d->stats.requests++;
+    kd_conn_update(c);
+    kd_conn_unref(c);
+}
+
+kd_out *kd_req_frame(kd_req *r)
+{
+    kd_out *o = kd_out_new(r->conn);
+    if (!o) {
+        kp_error e;
+        kp_fail(&e, KP_E_NO_MEMORY, "no memory for the response");
+        kd_req_fail(r, &e);
+    }
+    return o;
+}
+
+void kd_req_reply(kd_req *r, kd_out *o, int encode_rc, const kp_error *encode_err)
+{
+    if (encode_rc != KP_OK) {
+        KD_ERROR("conn %llu: encoding the %s response failed: %s",
+                 (unsigned long long)r->conn->serial, kp_method_name(r->method),
+                 encode_err->message);
+        kd_out_free(o);
+        kp_error e;
+        kp_fail(&e, KP_E_INTERNAL, "encoding the response failed: %s", encode_err->message);
+        kd_req_fail(r, &e);
+        return;
+    }
+    if (r->method == KP_METHOD_PREFILL)
+        kd_stats_latency(&r->conn->d->stats, (uv_hrtime() - r->arrival_ns) / 1000);
+    kd_conn_send(r->conn, o);
+    finish(r);
+}
+
+void kd_req_fail(kd_req *r, const kp_error *e)
+{
+    kd_conn *c = r->conn;
+    kd_stats_error(&c->d->stats, e->code);
+    KD_DEBUG("conn %llu: request %u (%s): %s: %s", (unsigned long long)c->serial, r->id,
+             r->msg.name ? r->msg.name : "?", kp_code_name(e->code), e->message);
+    kd_out *o = kd_out_new(c);
+    kp_error enc;
+    if (o && kp_error_response_encode(&o->w, r->id, e, &enc) == KP_OK)
+        kd_conn_send(c, o);
+    else
+        kd_out_free(o);
+    bool closes = kp_code_closes(e->code);
+    kd_conn_ref(c);
+    finish(r);
+    if (closes)
+        kd_conn_close(c, e->code == KP_E_UNSUPPORTED_VERSION ? KD_DISC_VERSION : KD_DISC_PROTOCOL,
+                      e);
+    kd_conn_unref(c);
+}
+
+void kd_req_drop(kd_req *r)
+{
+    if (r->releasing)
+        r->releasing->gone = NULL;
+    if (r->job.state == KD_JOB_QUEUED) {
+        kd_daemon *d = r->conn->d;
+        kd_sched_cancel(&d->sched, &r->job);
+        kd_daemon_job_left(d, &r->job);
+    }
+    finish(r);
+}
+
+static void fail_with(kd_req *r, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void fail_with(kd_req *r, int code, const char *fmt, ...)
+{
+    kp_error e;
+    va_list ap;
+    va_start(ap, fmt);
+    e.code = code;
+    vsnprintf(e.message, sizeof(e.message), fmt, ap);
+    va_end(ap);
+    kd_req_fail(r, &e);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Immediate methods                                                      */
+/* ---------------------------------------------------------------------- */
+
+static uint32_t transports(const kd_daemon *d)
+{
+    uint32_t t = d->backend->info.transports;
+    if (!d->cfg.transport_shm || d->session.limits.max_regions_per_client == 0)
+        t &= ~KP_TRANSPORT_SHM;
+    if (!d->cfg.transport_cuda_ipc || d->session.limits.max_regions_per_client == 0)
+        t &= ~KP_TRANSPORT_CUDA_IPC;
+    return t;
+}
+
+static void do_hello(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    kp_hello_params p;
+    kp_hello_result res;
+    kp_error e;
+    uint32_t version;
+    if (kp_hello_params_decode(&r->msg, &d->session, &p, &e) != KP_OK ||
+        kp_hello_choose_version(&p, &version, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    if (!c->hello_done)
+        KD_DEBUG("conn %llu: hello from %s", (unsigned long long)c->serial,
+                 p.client ? p.client : "(unnamed client)");
+    /* A second hello is answered like the first and changes nothing. */
+    if (!c->hello_done) {
+        c->session = d->session;
+        c->hello_done = true;
+        kp_reader_set_max_frame(&c->reader, c->session.limits.max_frame_bytes);
+    }
+    kd_backend_info *bi = &d->backend->info;
+    memset(&res, 0, sizeof(res));
+    res.version = version;
+    res.server = "kdad " KD_VERSION_STRING;
+    res.instance = d->instance;
+    res.backend = bi->kind;
+    res.has_gpu = bi->has_gpu;
+    res.gpu = (kp_gpu){bi->gpu_name, bi->gpu_uuid, bi->gpu_index};
+    res.geometry = c->session.geometry;
+    res.transports = transports(d);
+    res.slots_persist = d->cfg.slots_persist;
+    res.limits = c->session.limits;
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_hello_result_encode(&o->w, r->id, &res, &e), &e);
+}
+
+static void do_health(kd_req *r)
+{
+    kd_daemon *d = r->conn->d;
+    kp_error e;
+    if (kp_health_params_decode(&r->msg, &r->conn->session, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    kp_health_result res = {
+        .status = d->draining ? KP_HEALTH_DRAINING : KP_HEALTH_OK,
+        .uptime_us = (uv_hrtime() - d->stats.start_ns) / 1000,
+        .queued = d->sched.queued,
+        .running = d->backend->inflight,
+    };
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_health_result_encode(&o->w, r->id, &res, &e), &e);
+}
+
+static void do_stats(kd_req *r)
+{
+    kd_daemon *d = r->conn->d;
+    kp_error e;
+    if (kp_stats_params_decode(&r->msg, &r->conn->session, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    kd_stats_gauges g;
+    kd_stats_view v;
+    kp_stats_result res;
+    kd_daemon_gauges(d, &g);
+    kd_stats_result(&d->stats, &g, uv_hrtime(), &v, &res);
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_stats_result_encode(&o->w, r->id, &res, &e), &e);
+}
+
+static void do_layer_register(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    kp_layer_register_params p;
+    kp_layer_register_result res;
+    kp_error e;
+    if (kp_layer_register_params_decode(&r->msg, &c->session, &p, &e) != KP_OK ||
+        kd_layers_register(&d->layers, p.name, p.A_log.data, p.dt_bias.data, p.lower_bound,
+                           p.scale, KP_LAYER_SOURCE_CLIENT, c->peer.uid,
+                           c->session.limits.max_layers, &res.created, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    if (res.created)
+        KD_INFO("layer %s: registered by uid %u", p.name, (unsigned)c->peer.uid);
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_layer_register_result_encode(&o->w, r->id, &res, &e), &e);
+}
+
+static void do_layer_list(kd_req *r)
+{
+    kd_daemon *d = r->conn->d;
+    kp_error e;
+    if (kp_layer_list_params_decode(&r->msg, &r->conn->session, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    kp_layer_info *info = calloc(d->layers.n ? d->layers.n : 1, sizeof(*info));
+    if (!info) {
+        fail_with(r, KP_E_NO_MEMORY, "no memory to list the layers");
+        return;
+    }
+    for (uint32_t i = 0; i < d->layers.n; i++) {
+        const kd_layer *l = d->layers.v[i];
+        info[i] = (kp_layer_info){l->name, l->host.lower_bound, l->host.scale, l->source};
+    }
+    kp_layer_list_result res = {info, d->layers.n};
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_layer_list_result_encode(&o->w, r->id, &res, &e), &e);
+    free(info);
+}
+
+static void do_layer_drop(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kp_layer_drop_params p;
+    kp_error e;
+    if (kp_layer_drop_params_decode(&r->msg, &c->session, &p, &e) != KP_OK ||
+        kd_layers_drop(&c->d->layers, p.name, c->peer.uid, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    KD_INFO("layer %s: dropped by uid %u", p.name, (unsigned)c->peer.uid);
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+}
+
+static void do_slot_alloc(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    kp_slot_alloc_params p;
+    kp_error e;
+    if (kp_slot_alloc_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    uint64_t *handles = malloc(p.count * sizeof(*handles));
+    if (!handles) {
+        fail_with(r, KP_E_NO_MEMORY, "no memory for %u handles", p.count);
+        return;
+    }
+    if (kd_pool_alloc(&d->pool, kd_conn_owner(c), c->session.limits.max_slots_per_client,
+                      p.count, p.zero, handles, &e) != KP_OK) {
+        free(handles);
+        kd_req_fail(r, &e);
+        return;
+    }
+    kp_slot_list res = {handles, p.count};
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_slot_alloc_result_encode(&o->w, r->id, &res, &e), &e);
+    free(handles);
+}
+
+static void do_slot_info(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    kp_slot_info_params p;
+    kp_error e;
+    uint64_t owner = kd_conn_owner(c);
+    if (kp_slot_info_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    uint32_t n = p.has_slots ? p.list.nslots : kd_pool_owned(&d->pool, owner);
+    kp_slot_info *info = calloc(n ? n : 1, sizeof(*info));
+    if (!info) {
+        fail_with(r, KP_E_NO_MEMORY, "no memory for %u slot entries", n);
+        return;
+    }
+    /* First collect pool indices (in .slot), then fill the entries. */
+    uint32_t have = 0;
+    for (uint32_t i = 0; p.has_slots && i < n; i++) {
+        char field[32];
+        uint32_t index;
+        snprintf(field, sizeof(field), "slots[%u]", i);
+        if (kd_pool_resolve(&d->pool, p.list.slots[i], owner, field, &index, &e) != KP_OK) {
+            free(info);
+            kd_req_fail(r, &e);
+            return;
+        }
+        info[have++].slot = index;
+    }
+    for (uint32_t i = 0; !p.has_slots && i < d->pool.nslots && have < n; i++) {
+        const kd_slot *s = kd_pool_slot(&d->pool, i);
+        if (s->state != KD_SLOT_FREE && !s->retiring && s->owner == owner)
+            info[have++].slot = i;
+    }
+    for (uint32_t i = 0; i < have; i++) {
+        uint32_t index = (uint32_t)info[i].slot;
+        info[i] = (kp_slot_info){kd_pool_handle(&d->pool, index),
+                                 kd_pool_slot(&d->pool, index)->pos,
+                                 kd_pool_status(&d->pool, index),
+                                 kd_sched_slot_jobs(&d->sched, index)};
+    }
+    uint32_t owned = kd_pool_owned(&d->pool, owner), quota = c->session.limits.max_slots_per_client;
+    kp_slot_info_result res = {info, have, d->pool.nfree, owned < quota ? quota - owned : 0};
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_slot_info_result_encode(&o->w, r->id, &res, &e), &e);
+    free(info);
+}
+
+static void reply_region(kd_req *r, const kd_region *reg)
+{
+    kp_region_register_result res = {reg->id};
+    kp_error e;
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_region_register_result_encode(&o->w, r->id, &res, &e), &e);
+}
+
+static void do_region_register_shm(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    kp_region_register_shm_params p;
+    kp_error e;
+    kd_region *reg;
+    if (kp_region_register_shm_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    if (!(transports(d) & KP_TRANSPORT_SHM)) {
+        fail_with(r, KP_E_NOT_SUPPORTED, "shared-memory regions are disabled in this daemon's "
+                  "configuration");
+        return;
+    }
+    if (r->fd < 0) {
+        fail_with(r, KP_E_INVALID_PARAMS, "no file descriptor arrived with this frame");
+        return;
+    }
+    int fd = r->fd;
+    r->fd = -1; /* kd_region_register_shm closes it in every case */
+    if (kd_region_register_shm(&c->regions, d->backend, fd, p.size,
+                               c->session.limits.max_regions_per_client, &reg, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    KD_DEBUG("conn %llu: region %u: %llu bytes of shared memory", (unsigned long long)c->serial,
+             reg->id, (unsigned long long)p.size);
+    reply_region(r, reg);
+}
+
+static void do_region_register_cuda(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    kp_region_register_cuda_params p;
+    kp_error e;
+    kd_region *reg;
+    if (kp_region_register_cuda_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    if (!(transports(d) & KP_TRANSPORT_CUDA_IPC)) {
+        fail_with(r, KP_E_NOT_SUPPORTED, "CUDA regions are not available: %s",
+                  d->backend->ops->open_ipc ? "disabled in the configuration"
+                                            : "this daemon runs the cpu backend");
+        return;
+    }
+    if (kd_region_register_cuda(&c->regions, d->backend, &p,
+                                c->session.limits.max_regions_per_client, &reg, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    reply_region(r, reg);
+}
+
+/* The region's memory is gone: region.release answers now. */
+static void region_gone(void *arg)
+{
+    kd_req *r = arg;
+    kp_error e;
+    r->releasing = NULL;
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+}
+
+static void do_region_release(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kp_region_release_params p;
+    kp_error e;
+    if (kp_region_release_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    kd_region *reg = kd_region_find(&c->regions, p.region);
+    if (!reg) {
+        kp_fail(&e, KP_E_REGION_INVALID, "region: %u is not registered on this connection",
+                p.region);
+        kd_req_fail(r, &e);
+        return;
+    }
+    r->releasing = reg;
+    kd_region_release(&c->regions, reg, region_gone, r);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Frames                                                                 */
+/* ---------------------------------------------------------------------- */
+
+static bool id_in_flight(const kd_conn *c, uint32_t id)
+{
+    /* Linear: a connection holds at most max_inflight_requests requests. */
+    for (const kd_req *q = c->req_head; q; q = q->next) {
+        if (q->id == id)
+            return true;
+    }
+    return false;
+}
+
+static void route(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kd_daemon *d = c->d;
+    kp_method m = r->method;
+    if (m == KP_METHOD_UNKNOWN) {
+        fail_with(r, KP_E_UNKNOWN_METHOD, "method \"%s\" is not part of protocol version 1",
+                  r->msg.name);
+        return;
+    }
+    if (!c->hello_done && m != KP_METHOD_HELLO) {
+        fail_with(r, KP_E_HELLO_REQUIRED, "%s: send hello first", r->msg.name);
+        return;
+    }
+    if (d->draining && m != KP_METHOD_HELLO && m != KP_METHOD_HEALTH && m != KP_METHOD_STATS) {
+        fail_with(r, KP_E_SHUTTING_DOWN, "%s: the daemon is draining for shutdown", r->msg.name);
+        return;
+    }
+    switch (m) {
+    case KP_METHOD_HELLO: do_hello(r); break;
+    case KP_METHOD_HEALTH: do_health(r); break;
+    case KP_METHOD_STATS: do_stats(r); break;
+    case KP_METHOD_LAYER_REGISTER: do_layer_register(r); break;
+    case KP_METHOD_LAYER_LIST: do_layer_list(r); break;
+    case KP_METHOD_LAYER_DROP: do_layer_drop(r); break;
+    case KP_METHOD_SLOT_ALLOC: do_slot_alloc(r); break;
+    case KP_METHOD_SLOT_INFO: do_slot_info(r); break;
+    case KP_METHOD_REGION_REGISTER_SHM: do_region_register_shm(r); break;
+    case KP_METHOD_REGION_REGISTER_CUDA: do_region_register_cuda(r); break;
+    case KP_METHOD_REGION_RELEASE: do_region_release(r); break;
+    case KP_METHOD_PREFILL:
+    case KP_METHOD_SLOT_FREE:
+    case KP_METHOD_SLOT_RESET:
+    case KP_METHOD_SLOT_FORK:
+    case KP_METHOD_SLOT_READ:
+    case KP_METHOD_SLOT_WRITE:
+        kd_exec_admit(r);
+        break;
+    default:
+        fail_with(r, KP_E_INTERNAL, "method %s has no handler", r->msg.name);
+        break;
+    }
+}
+
+void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_ns)
+{
+    kp_error e;
+    kd_req *r = calloc(1, sizeof(*r));
+    if (!r) {
+        free(body);
+        kp_fail(&e, KP_E_NO_MEMORY, "no memory for a request; the connection cannot continue");
+        kd_conn_close(c, KD_DISC_IO_ERROR, &e);
+        return;
+    }
+    r->conn = c;
+    r->body = body;
+    r->body_len = len;
+    r->arrival_ns = arrival_ns;
+    r->fd = -1;
+    kp_msg_init(&r->msg);
+    uint64_t cap = c->hello_done ? c->session.limits.max_frame_bytes : KP_HELLO_MAX_FRAME_BYTES;
+    int rc = kp_msg_decode(&r->msg, body, len, cap, &e);
+    if (rc == KP_OK && r->msg.kind != KP_MSG_REQUEST)
+        rc = kp_fail(&e, KP_E_PROTOCOL, "message type %d: clients send requests only",
+                     (int)r->msg.kind);
+    /* The descriptor belongs to this frame whatever its params say. */
+    if (rc == KP_OK && kp_msg_takes_fd(&r->msg))
+        r->fd = kd_conn_take_fd(c);
+    if (rc == KP_OK && id_in_flight(c, r->msg.id))
+        rc = kp_fail(&e, KP_E_PROTOCOL, "id %u is already in flight on this connection",
+                     r->msg.id);
+    /* Without a request id to answer on (or with a duplicate one), a bad
+     * frame ends the connection with a goodbye alone. */
+    if (rc != KP_OK && (!r->msg.has_id || r->msg.kind != KP_MSG_REQUEST ||
+                        id_in_flight(c, r->msg.id))) {
+        kd_stats_error(&c->d->stats, e.code);
+        if (r->fd >= 0)
+            close(r->fd);
+        kp_msg_close(&r->msg);
+        free(body);
+        free(r);
+        kd_conn_close(c, e.code == KP_E_FRAME_TOO_LARGE ? KD_DISC_FRAME_TOO_LARGE
+                                                        : KD_DISC_PROTOCOL, &e);
+        return;
+    }
+    r->id = r->msg.id;
+    r->method = r->msg.method;
+    r->prev = c->req_tail;
+    if (c->req_tail)
+        c->req_tail->next = r;
+    else
+        c->req_head = r;
+    c->req_tail = r;
+    c->inflight++;
+    c->inflight_bytes += len;
+    kd_conn_ref(c);
+    if (rc != KP_OK)
+        kd_req_fail(r, &e); /* e.g. params not a map: answered on the id, then closed */
+    else
+        route(r);
+}

@@ -1,0 +1,727 @@
+/*
+ * exec.c - see exec.h.
+ *
+ * Buffers are resolved at admission: an inline tensor is its bytes inside
+ * the frame (used in place, or staged by the backend), a region reference
+ * is the region's mapping plus the offset, after the bounds check.  The
+ * request then holds a reference on every region it names, so a release
+ * or a disconnect cannot unmap memory a batch still uses.
+ */
+#include "exec.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "defaults.h"
+#include "log.h"
+
+#define FIELD_MAX 48 /* "seqs[4095].beta" and the like, in messages */
+
+struct kd_exec {
+    kd_layer *layer;          /* prefill: the layer it admitted */
+    kd_region **regions;      /* regions it references, once each */
+    uint32_t nregions, regions_cap;
+    uint32_t *slots;          /* pool indices the job names (the FIFO keys) */
+    uint64_t bytes_in[KP_TRANSPORT_ID_COUNT];  /* tensor bytes, for the stats */
+    uint64_t bytes_out[KP_TRANSPORT_ID_COUNT];
+    union {
+        struct {
+            kp_prefill_params p;
+            kd_buf (*buf)[KP_PREFILL_TENSORS]; /* per sequence: q k v g beta out */
+            void **out;       /* inline outputs, allocated when the batch forms */
+            uint64_t *pos;    /* positions after each sequence */
+        } prefill;
+        struct {
+            bool allocated;   /* dst was allocated for this request and not handed out yet */
+            uint64_t pos;
+        } fork;
+        struct {
+            kp_dtype dtype;
+            kd_buf out;       /* a region, or NULL host until the batch forms (inline) */
+            void *inline_out;
+            uint64_t pos;
+        } read;
+        struct {
+            kp_dtype dtype;
+            uint64_t pos;
+            kd_buf in;
+        } write;
+    };
+};
+
+static kd_daemon *daemon_of(const kd_req *r)
+{
+    return r->conn->d;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Admission helpers                                                      */
+/* ---------------------------------------------------------------------- */
+
+static int resolve(kd_req *r, uint64_t handle, const char *field, uint32_t *index, kp_error *e)
+{
+    return kd_pool_resolve(&daemon_of(r)->pool, handle, kd_conn_owner(r->conn), field, index, e);
+}
+
+static int transport_of(const kd_region *reg)
+{
+    return reg->kind == KD_REGION_CUDA ? KP_TRANSPORT_ID_CUDA_IPC : KP_TRANSPORT_ID_SHM;
+}
+
+/* Resolves a tensor reference to a buffer; region references are
+ * bounds-checked and the region referenced by the request. */
+static int use_ref(kd_req *r, const kp_ref *ref, const char *field, bool output, kd_buf *out,
+                   kp_error *e)
+{
+    kd_exec *x = r->exec;
+    if (ref->kind == KP_REF_INLINE) {
+        *out = (kd_buf){(void *)ref->data, NULL};
+        x->bytes_in[KP_TRANSPORT_ID_INLINE] += ref->nbytes;
+        return KP_OK;
+    }
+    kd_region *reg = kd_region_find(&r->conn->regions, ref->region);
+    if (!reg)
+        return kp_fail(e, KP_E_REGION_INVALID, "%s: region %u is not registered on this "
+                       "connection", field, ref->region);
+    int rc = kp_ref_check_bounds(ref, reg->size, field, e);
+    if (rc)
+        return rc;
+    bool known = false;
+    for (uint32_t i = 0; i < x->nregions && !known; i++)
+        known = x->regions[i] == reg;
+    if (!known) {
+        if (x->nregions == x->regions_cap) {
+            uint32_t cap = x->regions_cap ? 2 * x->regions_cap : 4;
+            kd_region **v = realloc(x->regions, cap * sizeof(*v));
+            if (!v)
+                return kp_fail(e, KP_E_NO_MEMORY, "no memory for region references");
+            x->regions = v;
+            x->regions_cap = cap;
+        }
+        x->regions[x->nregions++] = reg;
+        kd_region_ref(reg);
+    }
+    *out = kd_region_buf(reg, ref->offset);
+    if (output)
+        x->bytes_out[transport_of(reg)] += ref->nbytes;
+    else
+        x->bytes_in[transport_of(reg)] += ref->nbytes;
+    return KP_OK;
+}
+
+/* Staging bytes the backend needs for buf (the same rounding as the cuda
+ * backend's; 0 when it uses the memory directly). */
+static uint64_t stage_cost(const kd_req *r, kd_buf buf, uint64_t bytes)
+{
+    if (!daemon_of(r)->backend->info.stages_host || buf.dev)
+        return 0;
+    return (bytes + KD_STAGE_ALIGN - 1) / KD_STAGE_ALIGN * KD_STAGE_ALIGN;
+}
+
+/* A slot transfer that the device must convert between dtypes needs host
+ * memory on the client's side. */
+static int check_convertible(const kd_req *r, kd_buf buf, kp_dtype dtype, const char *field,
+                             kp_error *e)
+{
+    if (!buf.host && (kda_dtype)dtype != daemon_of(r)->backend->pool.dtype)
+        return kp_fail(e, KP_E_NOT_SUPPORTED, "%s: converting the state to %s in GPU memory is "
+                       "not supported; use the pool's dtype (%s) or host memory", field,
+                       kp_dtype_name(dtype), kp_dtype_name(daemon_of(r)->session.geometry.state_dtype));
+    return KP_OK;
+}
+
+static uint32_t *alloc_slots(kd_exec *x, uint32_t n)
+{
+    x->slots = calloc(n ? n : 1, sizeof(*x->slots));
+    return x->slots;
+}
+
+/* Hands the job to the scheduler (it runs no earlier than the next pump). */
+static int enqueue(kd_req *r, uint32_t nslots, bool host, kd_job_cost cost, kp_error *e)
+{
+    r->job = (kd_job){.group = &r->conn->group, .slots = r->exec->slots, .nslots = nslots,
+                      .cost = cost, .host = host};
+    if (kd_sched_push(&daemon_of(r)->sched, &r->job) != KP_OK)
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory to queue the request");
+    return KP_OK;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Admission                                                              */
+/* ---------------------------------------------------------------------- */
+
+static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *e)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    kp_prefill_params *p = &x->prefill.p;
+    int rc = kp_prefill_params_decode(&r->msg, &r->conn->session, p, e);
+    if (rc)
+        return rc;
+    kd_layer *layer = kd_layers_find(&d->layers, p->layer);
+    if (!layer)
+        return kp_fail(e, KP_E_UNKNOWN_LAYER, "layer: no layer \"%s\"", p->layer);
+    kd_layer_ref(layer);
+    x->layer = layer;
+    x->prefill.buf = calloc(p->nseqs, sizeof(*x->prefill.buf));
+    x->prefill.out = calloc(p->nseqs, sizeof(*x->prefill.out));
+    x->prefill.pos = calloc(p->nseqs, sizeof(*x->prefill.pos));
+    if (!alloc_slots(x, p->nseqs) || !x->prefill.buf || !x->prefill.out || !x->prefill.pos)
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory for a prefill of %u sequences", p->nseqs);
+    const uint32_t heads = r->conn->session.geometry.heads;
+    *cost = (kd_job_cost){0, p->nseqs, 0, 0};
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_prefill_seq *q = &p->seqs[i];
+        char field[FIELD_MAX];
+        snprintf(field, sizeof(field), "seqs[%u].slot", i);
+        if ((rc = resolve(r, q->slot, field, &x->slots[i], e)))
+            return rc;
+        for (int t = 0; t < KP_PREFILL_TENSORS && q->len > 0; t++) {
+            const kp_ref *ref = &q->tensors[t];
+            kd_buf *buf = &x->prefill.buf[i][t];
+            bool out = t == KP_TENSOR_OUT;
+            snprintf(field, sizeof(field), "seqs[%u].%s", i, kp_prefill_tensor_name(t));
+            if (ref->kind == KP_REF_ABSENT) { /* inline output: a buffer when the batch forms */
+                x->bytes_out[KP_TRANSPORT_ID_INLINE] += kp_token_tensor_bytes(q->len, heads);
+                cost->stage_out += stage_cost(r, *buf, kp_token_tensor_bytes(q->len, heads));
+                continue;
+            }
+            if ((rc = use_ref(r, ref, field, out, buf, e)))
+                return rc;
+            if (out)
+                cost->stage_out += stage_cost(r, *buf, ref->nbytes);
+            else
+                cost->stage_in += stage_cost(r, *buf, ref->nbytes);
+        }
+        cost->tokens += q->len;
+    }
+    *nslots = p->nseqs;
+    return KP_OK;
+}
+
+static int admit_slot_list(kd_req *r, uint32_t *nslots, kp_error *e)
+{
+    kp_slot_list p;
+    int rc = r->method == KP_METHOD_SLOT_FREE
+                 ? kp_slot_free_params_decode(&r->msg, &r->conn->session, &p, e)
+                 : kp_slot_reset_params_decode(&r->msg, &r->conn->session, &p, e);
+    if (rc)
+        return rc;
+    if (!alloc_slots(r->exec, p.nslots))
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory for %u slots", p.nslots);
+    /* All handles are checked before any slot is touched. */
+    for (uint32_t i = 0; i < p.nslots; i++) {
+        char field[FIELD_MAX];
+        snprintf(field, sizeof(field), "slots[%u]", i);
+        if ((rc = resolve(r, p.slots[i], field, &r->exec->slots[i], e)))
+            return rc;
+    }
+    *nslots = p.nslots;
+    return KP_OK;
+}
+
+static int admit_fork(kd_req *r, uint32_t *nslots, kp_error *e)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    kp_slot_fork_params p;
+    int rc = kp_slot_fork_params_decode(&r->msg, &r->conn->session, &p, e);
+    if (rc)
+        return rc;
+    if (!alloc_slots(x, 2))
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory for a fork");
+    if ((rc = resolve(r, p.src, "src", &x->slots[0], e)))
+        return rc;
+    if (p.has_dst) {
+        if ((rc = resolve(r, p.dst, "dst", &x->slots[1], e)))
+            return rc;
+    } else {
+        uint64_t handle;
+        if ((rc = kd_pool_alloc(&d->pool, kd_conn_owner(r->conn),
+                                r->conn->session.limits.max_slots_per_client, 1, false, &handle,
+                                e)))
+            return rc;
+        x->slots[1] = kp_slot_index(handle);
+        x->fork.allocated = true;
+    }
+    *nslots = 2;
+    return KP_OK;
+}
+
+static int admit_read(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *e)
+{
+    kd_exec *x = r->exec;
+    kp_slot_read_params p;
+    int rc = kp_slot_read_params_decode(&r->msg, &r->conn->session, &p, e);
+    if (rc)
+        return rc;
+    if (!alloc_slots(x, 1))
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory for a read");
+    if ((rc = resolve(r, p.slot, "slot", &x->slots[0], e)))
+        return rc;
+    x->read.dtype = p.dtype;
+    uint64_t bytes = kp_state_bytes(r->conn->session.geometry.heads, p.dtype);
+    if (p.out.kind == KP_REF_REGION) {
+        if ((rc = use_ref(r, &p.out, "out", true, &x->read.out, e)) ||
+            (rc = check_convertible(r, x->read.out, p.dtype, "out", e)))
+            return rc;
+    } else {
+        x->bytes_out[KP_TRANSPORT_ID_INLINE] += bytes;
+    }
+    /* The cuda backend stages a pool-dtype copy when it cannot write directly. */
+    bool direct = x->read.out.dev && (kda_dtype)p.dtype == daemon_of(r)->backend->pool.dtype;
+    cost->stage_out = stage_cost(r, (kd_buf){NULL, direct ? x->read.out.dev : NULL},
+                                 kd_backend_slot_bytes(daemon_of(r)->backend));
+    *nslots = 1;
+    return KP_OK;
+}
+
+static int admit_write(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *e)
+{
+    kd_exec *x = r->exec;
+    kp_slot_write_params p;
+    int rc = kp_slot_write_params_decode(&r->msg, &r->conn->session, &p, e);
+    if (rc)
+        return rc;
+    if (!alloc_slots(x, 1))
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory for a write");
+    if ((rc = resolve(r, p.slot, "slot", &x->slots[0], e)) ||
+        (rc = use_ref(r, &p.state, "state", false, &x->write.in, e)) ||
+        (rc = check_convertible(r, x->write.in, p.dtype, "state", e)))
+        return rc;
+    x->write.dtype = p.dtype;
+    x->write.pos = p.pos;
+    bool direct = x->write.in.dev && (kda_dtype)p.dtype == daemon_of(r)->backend->pool.dtype;
+    cost->stage_in = stage_cost(r, (kd_buf){NULL, direct ? x->write.in.dev : NULL},
+                                kd_backend_slot_bytes(daemon_of(r)->backend));
+    *nslots = 1;
+    return KP_OK;
+}
+
+void kd_exec_admit(kd_req *r)
+{
+    kd_daemon *d = daemon_of(r);
+    kp_error e;
+    kd_job_cost cost = {0, 1, 0, 0};
+    uint32_t nslots = 0;
+    int rc;
+    if (d->sched.queued >= d->cfg.max_queued_requests) {
+        kp_fail(&e, KP_E_BUSY, "%u requests are waiting for the device "
+                "(batching.max_queued_requests); retry later", d->sched.queued);
+        kd_req_fail(r, &e);
+        return;
+    }
+    r->exec = calloc(1, sizeof(*r->exec));
+    if (!r->exec) {
+        kp_fail(&e, KP_E_NO_MEMORY, "no memory for the request");
+        kd_req_fail(r, &e);
+        return;
+    }
+    switch (r->method) {
+    case KP_METHOD_PREFILL: rc = admit_prefill(r, &cost, &nslots, &e); break;
+    case KP_METHOD_SLOT_FREE:
+    case KP_METHOD_SLOT_RESET: rc = admit_slot_list(r, &nslots, &e); break;
+    case KP_METHOD_SLOT_FORK: rc = admit_fork(r, &nslots, &e); break;
+    case KP_METHOD_SLOT_READ: rc = admit_read(r, &cost, &nslots, &e); break;
+    case KP_METHOD_SLOT_WRITE: rc = admit_write(r, &cost, &nslots, &e); break;
+    default: rc = kp_fail(&e, KP_E_INTERNAL, "%s is not a slot-ordered method", r->msg.name);
+    }
+    bool host = r->method == KP_METHOD_SLOT_FREE || r->method == KP_METHOD_SLOT_RESET;
+    if (rc || (rc = enqueue(r, nslots, host, cost, &e))) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    if (r->method == KP_METHOD_SLOT_FREE) {
+        /* Later requests naming these handles fail at once (STALE_SLOT);
+         * earlier ones still run; the slots return to the pool after them. */
+        for (uint32_t i = 0; i < nslots; i++)
+            kd_pool_retire(&d->pool, r->exec->slots[i]);
+    }
+    /* May run the request at once (and free r). */
+    kd_daemon_pump(d);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Completion helpers                                                     */
+/* ---------------------------------------------------------------------- */
+
+/* Takes a started job out of the scheduler (before the request is freed). */
+static void job_done(kd_req *r)
+{
+    if (r->job.state != KD_JOB_RUNNING)
+        return;
+    kd_daemon *d = daemon_of(r);
+    kd_sched_done(&d->sched, &r->job);
+    kd_daemon_job_left(d, &r->job);
+}
+
+static void fail(kd_req *r, const kp_error *e)
+{
+    job_done(r);
+    kd_req_fail(r, e);
+}
+
+static void reply_empty(kd_req *r)
+{
+    kp_error e;
+    job_done(r);
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+}
+
+static void add_stats(kd_req *r)
+{
+    kd_stats *s = &daemon_of(r)->stats;
+    for (int t = 0; t < KP_TRANSPORT_ID_COUNT; t++) {
+        s->bytes_in[t] += r->exec->bytes_in[t];
+        s->bytes_out[t] += r->exec->bytes_out[t];
+    }
+}
+
+static kd_slot_op *add_op(kd_run *run)
+{
+    return &run->batch.ops[run->batch.nops++];
+}
+
+static void *alloc_out(uint64_t bytes)
+{
+    /* 64: the cpu backend's vector stores and the cuda staging copies like it */
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Prefill                                                                */
+/* ---------------------------------------------------------------------- */
+
+static void free_outputs(kd_exec *x)
+{
+    for (uint32_t i = 0; x->prefill.out && i < x->prefill.p.nseqs; i++) {
+        free(x->prefill.out[i]);
+        x->prefill.out[i] = NULL;
+    }
+}
+
+static kd_prepare prepare_prefill(kd_req *r, kd_run *run)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    const kp_prefill_params *p = &x->prefill.p;
+    const uint32_t heads = r->conn->session.geometry.heads;
+    kp_error e;
+    /* Every sequence is checked before anything happens: all or nothing. */
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_prefill_seq *q = &p->seqs[i];
+        const kd_slot *s = kd_pool_slot(&d->pool, x->slots[i]);
+        char field[FIELD_MAX];
+        snprintf(field, sizeof(field), "seqs[%u].slot", i);
+        if (!q->fresh && kd_pool_check_ready(&d->pool, x->slots[i], field, &e) != KP_OK) {
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
+        if (q->has_expect_pos && s->pos != q->expect_pos) {
+            kp_fail(&e, KP_E_POSITION_MISMATCH, "seqs[%u]: slot 0x%llx is at position %llu, "
+                    "expect_pos %llu", i, (unsigned long long)q->slot,
+                    (unsigned long long)s->pos, (unsigned long long)q->expect_pos);
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
+        x->prefill.pos[i] = (q->fresh ? 0 : s->pos) + q->len;
+        if (q->len > 0 && q->out.kind == KP_REF_ABSENT) {
+            uint64_t bytes = kp_token_tensor_bytes(q->len, heads);
+            if (!(x->prefill.out[i] = alloc_out(bytes))) {
+                free_outputs(x);
+                kp_fail(&e, KP_E_NO_MEMORY, "no memory for %llu bytes of output",
+                        (unsigned long long)bytes);
+                fail(r, &e);
+                return KD_PREPARE_FAILED;
+            }
+            x->prefill.buf[i][KP_TENSOR_OUT] = (kd_buf){x->prefill.out[i], NULL};
+        }
+    }
+    bool work = false;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_prefill_seq *q = &p->seqs[i];
+        if (q->len == 0)
+            continue;
+        const kd_slot *s = kd_pool_slot(&d->pool, x->slots[i]);
+        kd_batch_seq *bs = &run->batch.seqs[run->batch.nseqs++];
+        memset(bs, 0, sizeof(*bs));
+        for (int t = 0; t < 5; t++)
+            bs->in[t] = x->prefill.buf[i][t];
+        bs->out = x->prefill.buf[i][KP_TENSOR_OUT];
+        bs->layer = x->layer->dev;
+        bs->len = q->len;
+        bs->slot = x->slots[i];
+        bs->flags = q->fresh || s->zero ? KDA_SEQ_ZERO_STATE : 0;
+        work = true;
+    }
+    if (!work) {
+        kd_exec_finish(r, NULL);
+        return KD_PREPARE_DONE;
+    }
+    return KD_PREPARE_BATCHED;
+}
+
+static void finish_prefill(kd_req *r, const kd_batch *b)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    const kp_prefill_params *p = &x->prefill.p;
+    const uint32_t heads = r->conn->session.geometry.heads;
+    kp_error e;
+    uint64_t tokens = 0;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_prefill_seq *q = &p->seqs[i];
+        if (q->len > 0)
+            kd_pool_set_ready(&d->pool, x->slots[i], x->prefill.pos[i], false);
+        else if (q->fresh) /* a fresh empty sequence only resets: lazily */
+            kd_pool_set_ready(&d->pool, x->slots[i], 0, true);
+        tokens += q->len;
+    }
+    d->stats.seqs += p->nseqs;
+    d->stats.tokens += tokens;
+    add_stats(r);
+    job_done(r);
+
+    kp_prefill_seq_result *seqs = calloc(p->nseqs, sizeof(*seqs));
+    kd_out *o = seqs ? kd_req_frame(r) : NULL;
+    if (!o) {
+        if (!seqs) {
+            kp_fail(&e, KP_E_NO_MEMORY, "no memory for the result");
+            kd_req_fail(r, &e);
+        }
+        free(seqs);
+        return;
+    }
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        seqs[i].pos = x->prefill.pos[i];
+        if (x->prefill.out[i])
+            seqs[i].out = kp_ref_inline(x->prefill.out[i],
+                                        kp_token_tensor_bytes(p->seqs[i].len, heads));
+    }
+    kp_prefill_result res = {seqs, p->nseqs, 0, 0};
+    if (b) {
+        res.queue_us = (b->launch_ns - r->arrival_ns) / 1000;
+        res.run_us = (b->done_ns - b->launch_ns) / 1000;
+    }
+    int rc = kp_prefill_result_encode(&o->w, r->id, &res, &e);
+    free(seqs);
+    /* The frame references the outputs: they now live as long as it. */
+    for (uint32_t i = 0; rc == KP_OK && i < p->nseqs; i++) {
+        void *out = x->prefill.out[i];
+        x->prefill.out[i] = NULL;
+        if (out && kd_out_keep(o, out) != KP_OK)
+            rc = kp_fail(&e, KP_E_NO_MEMORY, "no memory to hold the output");
+    }
+    kd_req_reply(r, o, rc, &e);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Slot operations                                                        */
+/* ---------------------------------------------------------------------- */
+
+static kd_prepare prepare_fork(kd_req *r, kd_run *run)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    kp_error e;
+    uint32_t src = x->slots[0], dst = x->slots[1];
+    if (kd_pool_check_ready(&d->pool, src, "src", &e) != KP_OK) {
+        fail(r, &e);
+        return KD_PREPARE_FAILED;
+    }
+    const kd_slot *s = kd_pool_slot(&d->pool, src);
+    x->fork.pos = s->pos;
+    if (s->zero) { /* the copy of a lazy zero state is a lazy zero state */
+        kd_exec_finish(r, NULL);
+        return KD_PREPARE_DONE;
+    }
+    *add_op(run) = (kd_slot_op){.kind = KD_OP_COPY, .slot = dst, .src = src};
+    return KD_PREPARE_BATCHED;
+}
+
+static void finish_fork(kd_req *r)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    uint32_t src = x->slots[0], dst = x->slots[1];
+    kd_pool_set_ready(&d->pool, dst, x->fork.pos, kd_pool_slot(&d->pool, src)->zero);
+    x->fork.allocated = false; /* the client has it now */
+    job_done(r);
+    kp_slot_fork_result res = {kd_pool_handle(&d->pool, dst), x->fork.pos};
+    kp_error e;
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_slot_fork_result_encode(&o->w, r->id, &res, &e), &e);
+}
+
+static kd_prepare prepare_read(kd_req *r, kd_run *run)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    kp_error e;
+    uint32_t slot = x->slots[0];
+    if (kd_pool_check_ready(&d->pool, slot, "slot", &e) != KP_OK) {
+        fail(r, &e);
+        return KD_PREPARE_FAILED;
+    }
+    const kd_slot *s = kd_pool_slot(&d->pool, slot);
+    x->read.pos = s->pos;
+    if (!x->read.out.host && !x->read.out.dev) {
+        uint64_t bytes = kp_state_bytes(r->conn->session.geometry.heads, x->read.dtype);
+        if (!(x->read.inline_out = alloc_out(bytes))) {
+            kp_fail(&e, KP_E_NO_MEMORY, "no memory for %llu bytes of state",
+                    (unsigned long long)bytes);
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
+        x->read.out = (kd_buf){x->read.inline_out, NULL};
+    }
+    if (s->zero) {
+        /* Make the lazy zero state real first: the batch runs ops in order. */
+        *add_op(run) = (kd_slot_op){.kind = KD_OP_ZERO, .slot = slot};
+        kd_pool_set_ready(&d->pool, slot, s->pos, false);
+    }
+    *add_op(run) = (kd_slot_op){.kind = KD_OP_READ, .slot = slot,
+                                .dtype = (kda_dtype)x->read.dtype, .buf = x->read.out};
+    return KD_PREPARE_BATCHED;
+}
+
+static void finish_read(kd_req *r)
+{
+    kd_exec *x = r->exec;
+    kp_error e;
+    add_stats(r);
+    job_done(r);
+    kp_slot_read_result res = {x->read.pos, x->read.dtype, {KP_REF_ABSENT, NULL, 0, 0, 0}};
+    if (x->read.inline_out)
+        res.state = kp_ref_inline(x->read.inline_out,
+                                  kp_state_bytes(r->conn->session.geometry.heads, x->read.dtype));
+    kd_out *o = kd_req_frame(r);
+    if (!o)
+        return;
+    int rc = kp_slot_read_result_encode(&o->w, r->id, &res, &e);
+    void *state = x->read.inline_out;
+    x->read.inline_out = NULL;
+    if (rc == KP_OK && state && kd_out_keep(o, state) != KP_OK)
+        rc = kp_fail(&e, KP_E_NO_MEMORY, "no memory to hold the state");
+    else if (rc != KP_OK)
+        free(state);
+    kd_req_reply(r, o, rc, &e);
+}
+
+static kd_prepare prepare_write(kd_req *r, kd_run *run)
+{
+    kd_exec *x = r->exec;
+    *add_op(run) = (kd_slot_op){.kind = KD_OP_WRITE, .slot = x->slots[0],
+                                .dtype = (kda_dtype)x->write.dtype, .buf = x->write.in};
+    return KD_PREPARE_BATCHED;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Entry points                                                           */
+/* ---------------------------------------------------------------------- */
+
+kd_prepare kd_exec_prepare(kd_req *r, kd_run *run)
+{
+    kd_prepare p;
+    switch (r->method) {
+    case KP_METHOD_PREFILL: p = prepare_prefill(r, run); break;
+    case KP_METHOD_SLOT_FORK: p = prepare_fork(r, run); break;
+    case KP_METHOD_SLOT_READ: p = prepare_read(r, run); break;
+    default: p = prepare_write(r, run); break;
+    }
+    if (p == KD_PREPARE_BATCHED)
+        run->reqs[run->nreqs++] = r;
+    return p;
+}
+
+void kd_exec_finish(kd_req *r, const kd_batch *b)
+{
+    kd_daemon *d = daemon_of(r);
+    kp_error e;
+    /* FAILED concerns the launch only: slot operations never fail short of FATAL. */
+    if (b && b->status == KD_BATCH_FAILED && r->method == KP_METHOD_PREFILL) {
+        kp_fail(&e, b->code, "%s", b->message);
+        fail(r, &e);
+        return;
+    }
+    if (b && (b->status == KD_BATCH_LOST || b->status == KD_BATCH_FATAL)) {
+        /* The device failed while this request ran: its slots cannot be trusted. */
+        for (uint32_t i = 0; i < r->job.nslots; i++)
+            kd_pool_set_lost(&d->pool, r->exec->slots[i]);
+        kp_fail(&e, KP_E_DEVICE_FAILED, "the device failed running this request; its slots "
+                "are now lost: %s", b->message);
+        fail(r, &e);
+        return;
+    }
+    switch (r->method) {
+    case KP_METHOD_PREFILL: finish_prefill(r, b); break;
+    case KP_METHOD_SLOT_FORK: finish_fork(r); break;
+    case KP_METHOD_SLOT_READ: finish_read(r); break;
+    default:
+        kd_pool_set_ready(&d->pool, r->exec->slots[0], r->exec->write.pos, false);
+        add_stats(r);
+        reply_empty(r);
+        break;
+    }
+}
+
+void kd_exec_host(kd_req *r)
+{
+    kd_daemon *d = daemon_of(r);
+    if (r->method == KP_METHOD_SLOT_RESET) {
+        for (uint32_t i = 0; i < r->job.nslots; i++)
+            kd_pool_set_ready(&d->pool, r->exec->slots[i], 0, true);
+    }
+    /* slot.free: the retired slots go back to the pool as the job leaves. */
+    reply_empty(r);
+}
+
+void kd_exec_abandon(kd_req *r, const kp_error *e)
+{
+    if (r->job.state == KD_JOB_QUEUED) {
+        kd_daemon *d = daemon_of(r);
+        kd_sched_cancel(&d->sched, &r->job);
+        kd_daemon_job_left(d, &r->job);
+    }
+    kd_req_fail(r, e);
+}
+
+void kd_exec_release(kd_req *r)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    if (x->layer)
+        kd_layer_unref(&d->layers, x->layer);
+    for (uint32_t i = 0; i < x->nregions; i++)
+        kd_region_unref(x->regions[i]);
+    free(x->regions);
+    switch (r->method) {
+    case KP_METHOD_PREFILL:
+        free_outputs(x);
+        free(x->prefill.buf);
+        free(x->prefill.out);
+        free(x->prefill.pos);
+        break;
+    case KP_METHOD_SLOT_FORK:
+        if (x->fork.allocated) { /* a destination the client never saw */
+            uint32_t dst = x->slots[1];
+            kd_pool_retire(&d->pool, dst);
+            if (kd_sched_slot_jobs(&d->sched, dst) == 0)
+                kd_pool_release(&d->pool, dst);
+        }
+        break;
+    case KP_METHOD_SLOT_READ:
+        free(x->read.inline_out);
+        break;
+    default:
+        break;
+    }
+    free(x->slots);
+    free(x);
+    r->exec = NULL;
+}

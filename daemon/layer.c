@@ -1,0 +1,279 @@
+/*
+ * layer.c - see layer.h.
+ */
+#include "layer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "safetensors.h"
+
+#define LAYER_ALIGN 64 /* host weights: a cache line, and what vector loads like */
+
+void kd_layers_init(kd_layers *ls, kd_backend *backend, uint32_t heads)
+{
+    memset(ls, 0, sizeof(*ls));
+    ls->backend = backend;
+    ls->heads = heads;
+}
+
+kd_layer *kd_layers_find(const kd_layers *ls, const char *name)
+{
+    for (uint32_t i = 0; i < ls->n; i++) {
+        if (strcmp(ls->v[i]->name, name) == 0)
+            return ls->v[i];
+    }
+    return NULL;
+}
+
+static void layer_free(kd_layers *ls, kd_layer *l)
+{
+    ls->backend->ops->layer_release(ls->backend, l->dev, l->dev_handle);
+    free(l->A_log);
+    free(l->dt_bias);
+    free(l);
+}
+
+void kd_layer_ref(kd_layer *l)
+{
+    l->refs++;
+}
+
+void kd_layer_unref(kd_layers *ls, kd_layer *l)
+{
+    if (--l->refs == 0)
+        layer_free(ls, l);
+}
+
+/* Removes a layer's name; its weights live on while requests use them. */
+static void unregister(kd_layers *ls, uint32_t i)
+{
+    kd_layer *l = ls->v[i];
+    ls->v[i] = ls->v[--ls->n];
+    kd_layer_unref(ls, l);
+}
+
+void kd_layers_destroy(kd_layers *ls)
+{
+    while (ls->n)
+        unregister(ls, ls->n - 1);
+    free(ls->v);
+    ls->v = NULL;
+    ls->cap = 0;
+}
+
+static bool same_content(const kd_layer *l, const void *A_log, const void *dt_bias, float lb,
+                         float scale, uint32_t heads)
+{
+    return memcmp(l->A_log, A_log, heads * sizeof(float)) == 0 &&
+           memcmp(l->dt_bias, dt_bias, (size_t)heads * KDA_HEAD_DIM * sizeof(float)) == 0 &&
+           memcmp(&l->host.lower_bound, &lb, sizeof(lb)) == 0 &&
+           memcmp(&l->host.scale, &scale, sizeof(scale)) == 0;
+}
+
+static float *aligned_copy(const void *src, size_t n)
+{
+    size_t bytes = (n * sizeof(float) + LAYER_ALIGN - 1) / LAYER_ALIGN * LAYER_ALIGN;
+    float *p = aligned_alloc(LAYER_ALIGN, bytes);
+    if (p)
+        memcpy(p, src, n * sizeof(float));
+    return p;
+}
+
+int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const void *dt_bias,
+                       float lower_bound, float scale, kp_layer_source source, uint32_t uid,
+                       uint32_t max_layers, bool *created, kp_error *err)
+{
+    kd_layer *old = kd_layers_find(ls, name);
+    if (old) {
+        if (!same_content(old, A_log, dt_bias, lower_bound, scale, ls->heads))
+            return kp_fail(err, KP_E_LAYER_EXISTS, "name: a layer \"%s\" with other weights "
+                           "is registered", name);
+        *created = false;
+        return KP_OK;
+    }
+    if (ls->n >= max_layers)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "name: the daemon holds max_layers %u layers",
+                       max_layers);
+    if (ls->n == ls->cap) {
+        uint32_t cap = ls->cap ? 2 * ls->cap : 16;
+        kd_layer **v = realloc(ls->v, cap * sizeof(*v));
+        if (!v)
+            return kp_fail(err, KP_E_NO_MEMORY, "no memory for the layer table");
+        ls->v = v;
+        ls->cap = cap;
+    }
+    kd_layer *l = calloc(1, sizeof(*l));
+    if (!l)
+        return kp_fail(err, KP_E_NO_MEMORY, "no memory for layer \"%s\"", name);
+    snprintf(l->name, sizeof(l->name), "%s", name);
+    l->source = source;
+    l->uid = uid;
+    l->A_log = aligned_copy(A_log, ls->heads);
+    l->dt_bias = aligned_copy(dt_bias, (size_t)ls->heads * KDA_HEAD_DIM);
+    l->host = (kda_layer){l->A_log, l->dt_bias, lower_bound, scale};
+    l->dev = &l->host;
+    if (!l->A_log || !l->dt_bias) {
+        free(l->A_log);
+        free(l->dt_bias);
+        free(l);
+        return kp_fail(err, KP_E_NO_MEMORY, "no memory for layer \"%s\"", name);
+    }
+    int rc = ls->backend->ops->layer_upload(ls->backend, &l->host, &l->dev, &l->dev_handle, err);
+    if (rc != KP_OK) {
+        free(l->A_log);
+        free(l->dt_bias);
+        free(l);
+        return rc;
+    }
+    l->refs = 1;
+    ls->v[ls->n++] = l;
+    *created = true;
+    return KP_OK;
+}
+
+int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, kp_error *err)
+{
+    for (uint32_t i = 0; i < ls->n; i++) {
+        kd_layer *l = ls->v[i];
+        if (strcmp(l->name, name) != 0)
+            continue;
+        if (l->source == KP_LAYER_SOURCE_CONFIG)
+            return kp_fail(err, KP_E_PERMISSION_DENIED, "name: layer \"%s\" comes from the "
+                           "daemon's configuration", name);
+        if (l->uid != uid)
+            return kp_fail(err, KP_E_PERMISSION_DENIED, "name: layer \"%s\" was registered by "
+                           "another user", name);
+        unregister(ls, i);
+        return KP_OK;
+    }
+    return kp_fail(err, KP_E_UNKNOWN_LAYER, "name: no layer \"%s\"", name);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Config layers                                                          */
+/* ---------------------------------------------------------------------- */
+
+static int conf_fail(const kd_layer_conf *lc, uint32_t index, char *err, size_t errlen,
+                     const char *reason)
+{
+    snprintf(err, errlen, "%s:%d:%d: layers[%u].file: %s", lc->file_mark.file,
+             lc->file_mark.line, lc->file_mark.col, index, reason);
+    return -1;
+}
+
+static float *finite_copy(const st_tensor *t, const char *what, char *reason, size_t size)
+{
+    size_t n = t->nbytes / sizeof(float);
+    float *v = malloc(t->nbytes ? t->nbytes : 1);
+    if (!v) {
+        snprintf(reason, size, "no memory for %s", what);
+        return NULL;
+    }
+    memcpy(v, t->data, t->nbytes); /* the file's data need not be aligned */
+    for (size_t i = 0; i < n; i++) {
+        if (!__builtin_isfinite(v[i])) {
+            snprintf(reason, size, "%s[%zu] is %g: weights must be finite", what, i,
+                     (double)v[i]);
+            free(v);
+            return NULL;
+        }
+    }
+    return v;
+}
+
+int kd_layer_conf_load(const kd_layer_conf *lc, uint32_t index, uint32_t heads, float **A_log,
+                       float **dt_bias, char *err, size_t errlen)
+{
+    char reason[384], st_err[ST_ERRMSG_MAX];
+    st_file *f;
+    if (st_open(lc->file, &f, st_err, sizeof(st_err)) != 0) {
+        snprintf(reason, sizeof(reason), "%s: %s", lc->file, st_err);
+        return conf_fail(lc, index, err, errlen, reason);
+    }
+    const int64_t a_shape[1] = {heads};
+    const int64_t dt_shape[2] = {heads, KDA_HEAD_DIM};
+    const st_tensor *a = st_expect(f, lc->a_log_tensor, ST_F32, 1, a_shape, st_err,
+                                   sizeof(st_err));
+    const st_tensor *dt = a ? st_expect(f, lc->dt_bias_tensor, ST_F32, 2, dt_shape, st_err,
+                                        sizeof(st_err))
+                            : NULL;
+    *A_log = *dt_bias = NULL;
+    if (!a || !dt) {
+        snprintf(reason, sizeof(reason), "%s (heads is %u)", st_err, heads);
+    } else if ((*A_log = finite_copy(a, lc->a_log_tensor, reason, sizeof(reason))) &&
+               (*dt_bias = finite_copy(dt, lc->dt_bias_tensor, reason, sizeof(reason)))) {
+        st_close(f);
+        return 0;
+    }
+    free(*A_log);
+    *A_log = NULL;
+    st_close(f);
+    return conf_fail(lc, index, err, errlen, reason);
+}
+
+int kd_layers_sync_config(kd_layers *ls, const kd_config *cfg, char *err, size_t errlen)
+{
+    if (cfg->nlayers > cfg->limits.max_layers) {
+        snprintf(err, errlen, "layers: %u layers exceed limits.max_layers %u", cfg->nlayers,
+                 cfg->limits.max_layers);
+        return -1;
+    }
+    float **weights = calloc(2 * (size_t)cfg->nlayers + 1, sizeof(*weights));
+    if (!weights) {
+        snprintf(err, errlen, "no memory to load the layers");
+        return -1;
+    }
+    int rc = 0;
+    for (uint32_t i = 0; i < cfg->nlayers && rc == 0; i++)
+        rc = kd_layer_conf_load(&cfg->layers[i], i, ls->heads, &weights[2 * i],
+                                &weights[2 * i + 1], err, errlen);
+
+    /* Config layers that the file no longer lists go. */
+    for (uint32_t i = ls->n; rc == 0 && i-- > 0;) {
+        kd_layer *l = ls->v[i];
+        bool listed = false;
+        for (uint32_t j = 0; j < cfg->nlayers && !listed; j++)
+            listed = strcmp(cfg->layers[j].name, l->name) == 0;
+        if (l->source == KP_LAYER_SOURCE_CONFIG && !listed) {
+            KD_INFO("layer %s: removed from the configuration", l->name);
+            unregister(ls, i);
+        }
+    }
+    for (uint32_t j = 0; j < cfg->nlayers && rc == 0; j++) {
+        const kd_layer_conf *lc = &cfg->layers[j];
+        kd_layer *old = kd_layers_find(ls, lc->name);
+        if (old && old->source == KP_LAYER_SOURCE_CONFIG &&
+            same_content(old, weights[2 * j], weights[2 * j + 1], lc->lower_bound, lc->scale,
+                         ls->heads))
+            continue;
+        if (old) {
+            if (old->source == KP_LAYER_SOURCE_CLIENT)
+                KD_WARN("layer %s: a client's layer is replaced by the configuration's",
+                        lc->name);
+            for (uint32_t i = 0; i < ls->n; i++) {
+                if (ls->v[i] == old) {
+                    unregister(ls, i);
+                    break;
+                }
+            }
+        }
+        bool created;
+        kp_error kerr;
+        if (kd_layers_register(ls, lc->name, weights[2 * j], weights[2 * j + 1], lc->lower_bound,
+                               lc->scale, KP_LAYER_SOURCE_CONFIG, 0, UINT32_MAX, &created,
+                               &kerr) != KP_OK) {
+            snprintf(err, errlen, "%s:%d:%d: layers[%u]: %s", lc->mark.file, lc->mark.line,
+                     lc->mark.col, j, kerr.message);
+            rc = -1;
+            break;
+        }
+        KD_INFO("layer %s: %s from %s", lc->name, old ? "reloaded" : "loaded", lc->file);
+    }
+    for (uint32_t i = 0; i < 2 * cfg->nlayers; i++)
+        free(weights[i]);
+    free(weights);
+    return rc;
+}

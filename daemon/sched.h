@@ -1,0 +1,124 @@
+/*
+ * sched.h - continuous batching: per-slot FIFOs and batch formation
+ * (DESIGN.md §The data path, PROTOCOL.md §Ordering and atomicity).
+ *
+ * A job is one admitted request that names slots.  It joins the FIFO of
+ * every slot it names, in arrival order, and becomes runnable when it heads
+ * all of them: so requests on one slot run one at a time in arrival order,
+ * and two runnable jobs never share a slot (each FIFO has one head).  A job
+ * stays at the head of its FIFOs while it runs and leaves them when done,
+ * which makes the next one runnable.
+ *
+ * Host jobs (slot.free, slot.reset: bookkeeping only) are handed out one by
+ * one as they become runnable.  Device jobs are handed out in batches by
+ * kd_sched_form, which fills one launch up to the limits and stays fair:
+ * connections (groups) take turns, one job per turn, and the group that
+ * picks first rotates from batch to batch, so no client can starve another.
+ * The first job of a batch is always taken, so a job larger than the
+ * current limits (after a reload lowered them) still runs.
+ *
+ * Pure data structure: no I/O, no backend, no clock.
+ */
+#ifndef KDAD_SCHED_H
+#define KDAD_SCHED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kd_job kd_job;
+
+/* What a job costs in a batch. */
+typedef struct kd_job_cost {
+    uint32_t tokens;    /* prefill tokens */
+    uint32_t seqs;      /* prefill sequences, or 1 for a slot operation */
+    uint64_t stage_in;  /* bytes the backend must stage towards the device */
+    uint64_t stage_out; /* bytes the backend must stage back */
+} kd_job_cost;
+
+/* Limits of one batch (the first job is taken regardless). */
+typedef struct kd_sched_limits {
+    uint32_t max_tokens;
+    uint32_t max_seqs;
+    uint64_t max_stage_in;
+    uint64_t max_stage_out;
+} kd_sched_limits;
+
+/* A fairness group: the jobs of one connection.  Zero-initialise it. */
+typedef struct kd_sched_group {
+    kd_job *rhead, *rtail;             /* runnable device jobs, arrival order */
+    struct kd_sched_group *prev, *next; /* ring of groups with runnable jobs */
+    bool in_ring;
+} kd_sched_group;
+
+/* A job's place in one slot's FIFO. */
+typedef struct kd_job_node {
+    kd_job *job;
+    struct kd_job_node *prev, *next;
+    uint32_t slot;
+} kd_job_node;
+
+typedef enum kd_job_state {
+    KD_JOB_IDLE = 0, /* not in the scheduler */
+    KD_JOB_QUEUED,   /* waiting: blocked, or runnable and not handed out */
+    KD_JOB_RUNNING,  /* handed out; still heads its FIFOs until kd_sched_done */
+} kd_job_state;
+
+struct kd_job {
+    /* Set by the caller before kd_sched_push. */
+    kd_sched_group *group;
+    const uint32_t *slots; /* distinct slot indices */
+    uint32_t nslots;       /* >= 1 */
+    kd_job_cost cost;
+    bool host;             /* a host job: no backend work */
+    /* Private to the scheduler. */
+    kd_job_node *nodes;
+    uint32_t blocked;      /* FIFOs this job does not head yet */
+    uint64_t order;        /* arrival order */
+    kd_job_state state;
+    kd_job *prev, *next;   /* in the group's runnable list or the host list */
+};
+
+typedef struct kd_fifo {
+    kd_job_node *head, *tail;
+    uint32_t count; /* jobs queued or running on the slot */
+} kd_fifo;
+
+typedef struct kd_sched {
+    kd_fifo *fifo;          /* one per slot */
+    uint32_t nslots;
+    kd_sched_group *ring;   /* the group that picks first in the next batch */
+    kd_job *host_head, *host_tail;
+    uint64_t next_order;
+    uint32_t queued;        /* jobs in KD_JOB_QUEUED */
+    uint32_t running;       /* jobs in KD_JOB_RUNNING */
+    kd_sched_group **scratch; /* kd_sched_form's snapshot of the ring */
+    bool *skip;
+    size_t scratch_cap;
+} kd_sched;
+
+int kd_sched_init(kd_sched *s, uint32_t nslots); /* 0 or KP_E_NO_MEMORY */
+void kd_sched_destroy(kd_sched *s);              /* the scheduler must hold no job */
+
+/* Queues a job behind everything already queued on its slots.  0 or KP_E_NO_MEMORY. */
+int kd_sched_push(kd_sched *s, kd_job *job);
+
+/* Hands out one runnable host job (now RUNNING), or NULL. */
+kd_job *kd_sched_next_host(kd_sched *s);
+
+/* Hands out a batch of runnable device jobs (now RUNNING) into out[0..n),
+ * n <= max; returns n (0 when nothing is runnable). */
+size_t kd_sched_form(kd_sched *s, const kd_sched_limits *lim, kd_job **out, size_t max);
+
+/* A RUNNING job finished (successfully or not): it leaves its FIFOs. */
+void kd_sched_done(kd_sched *s, kd_job *job);
+/* A QUEUED job is dropped (its connection closed, or the daemon drains). */
+void kd_sched_cancel(kd_sched *s, kd_job *job);
+
+/* Jobs queued or running on a slot. */
+static inline uint32_t kd_sched_slot_jobs(const kd_sched *s, uint32_t slot)
+{
+    return s->fifo[slot].count;
+}
+
+#endif /* KDAD_SCHED_H */
