@@ -157,6 +157,7 @@ static void test_random_inputs(void **state)
     assert_true(sq / tok > 0.98 && sq / tok < 1.02);
     for (int h = 0; h < 3; h++)
         assert_true(a.weights.A_log[h] >= 0 && a.weights.A_log[h] < 1);
+    prefill_input_free(&c);
     assert_int_equal(prefill_input_random(&c, 5, 3, 6, 1, err, sizeof(err)), -1);
     prefill_input_free(&a);
     prefill_input_free(&b);

@@ -152,7 +152,8 @@ bool parse_handle(const char *s, uint64_t *out)
 
 void ctl_print_json(json_object *o)
 {
-    puts(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_NOSLASHESCAPE));
+    puts(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PRETTY | JSON_C_TO_STRING_SPACED |
+                                             JSON_C_TO_STRING_NOSLASHESCAPE));
     json_object_put(o);
 }
 
