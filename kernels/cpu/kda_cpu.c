@@ -104,13 +104,14 @@ int kda_cpu_create(int nthreads, kda_cpu **out, kda_error *err)
     pthread_cond_init(&cpu->done, NULL);
     for (int i = 1; i < nthreads; i++) {
         helper_arg *arg = malloc(sizeof *arg);
+        if (arg)
+            *arg = (helper_arg){cpu, i};   /* before the thread starts: it reads arg at once */
         if (!arg || pthread_create(&cpu->threads[i], NULL, helper_main, arg) != 0) {
             free(arg);
             cpu->nthreads = i;     /* destroy joins the ones that started */
             kda_cpu_destroy(cpu);
             return kda_fail(err, KDA_ENOMEM, "could not start CPU worker %d", i);
         }
-        *arg = (helper_arg){cpu, i};
     }
     *out = cpu;
     return KDA_OK;
