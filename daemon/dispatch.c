@@ -20,8 +20,13 @@
 /* Answering                                                              */
 /* ---------------------------------------------------------------------- */
 
-/* The last step of every request: accounting, then free. */
-static void finish(kd_req *r)
+/*
+ * The last step of every request: it leaves the connection's unanswered
+ * list first (so nothing the send may trigger, such as a close on a broken
+ * pipe, can drop it twice), then its response (if any) goes out, then it is
+ * freed.
+ */
+static void finish(kd_req *r, kd_out *o)
 {
     kd_conn *c = r->conn;
     kd_daemon *d = c->d;
@@ -33,8 +38,12 @@ static void finish(kd_req *r)
         r->next->prev = r->prev;
     else
         c->req_tail = r->prev;
+    r->prev = r->next = NULL;
     c->inflight--;
     c->inflight_bytes -= r->body_len;
+    d->stats.requests++;
+    if (o)
+        kd_conn_send(c, o);
     if (r->exec)
         kd_exec_release(r);
     if (r->fd >= 0)
@@ -42,7 +51,6 @@ static void finish(kd_req *r)
     kp_msg_close(&r->msg);
     free(r->body);
     free(r);
-    d->stats.requests++;
     kd_conn_update(c);
     kd_conn_unref(c);
 }
@@ -72,8 +80,7 @@ void kd_req_reply(kd_req *r, kd_out *o, int encode_rc, const kp_error *encode_er
     }
     if (r->method == KP_METHOD_PREFILL)
         kd_stats_latency(&r->conn->d->stats, (uv_hrtime() - r->arrival_ns) / 1000);
-    kd_conn_send(r->conn, o);
-    finish(r);
+    finish(r, o);
 }
 
 void kd_req_fail(kd_req *r, const kp_error *e)
@@ -84,13 +91,13 @@ void kd_req_fail(kd_req *r, const kp_error *e)
              r->msg.name ? r->msg.name : "?", kp_code_name(e->code), e->message);
     kd_out *o = kd_out_new(c);
     kp_error enc;
-    if (o && kp_error_response_encode(&o->w, r->id, e, &enc) == KP_OK)
-        kd_conn_send(c, o);
-    else
+    if (o && kp_error_response_encode(&o->w, r->id, e, &enc) != KP_OK) {
         kd_out_free(o);
+        o = NULL;
+    }
     bool closes = kp_code_closes(e->code);
     kd_conn_ref(c);
-    finish(r);
+    finish(r, o);
     if (closes)
         kd_conn_close(c, e->code == KP_E_UNSUPPORTED_VERSION ? KD_DISC_VERSION : KD_DISC_PROTOCOL,
                       e);
@@ -106,7 +113,7 @@ void kd_req_drop(kd_req *r)
         kd_sched_cancel(&d->sched, &r->job);
         kd_daemon_job_left(d, &r->job);
     }
-    finish(r);
+    finish(r, NULL);
 }
 
 static void fail_with(kd_req *r, int code, const char *fmt, ...)

@@ -1,0 +1,544 @@
+/*
+ * daemon_harness.c - see daemon_harness.h.
+ */
+#define _GNU_SOURCE
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include "daemon_harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bf16.h"
+#include "kda_ref.h"
+
+extern char **environ;
+
+#define START_WAIT_MS 30000
+#define RECV_WAIT_MS 120000
+#define EXIT_WAIT_MS 60000
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* ---------------------------------------------------------------------- */
+/* The daemon process                                                     */
+/* ---------------------------------------------------------------------- */
+
+char *dh_log(const dh_daemon *d)
+{
+    FILE *f = fopen(d->log, "rb");
+    if (!f)
+        return strdup("(no log)");
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = malloc((size_t)n + 1);
+    size_t got = fread(s, 1, (size_t)n, f);
+    s[got] = '\0';
+    fclose(f);
+    return s;
+}
+
+static void print_log(const dh_daemon *d)
+{
+    char *log = dh_log(d);
+    fprintf(stderr, "---- kdad log (%s) ----\n%s---- end of log ----\n", d->log, log);
+    free(log);
+}
+
+void dh_write_config(const dh_daemon *d, const char *yaml)
+{
+    char tmp[160];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", d->config);
+    FILE *f = fopen(tmp, "w");
+    assert_non_null(f);
+    fputs(yaml ? yaml : "", f);
+    assert_int_equal(fclose(f), 0);
+    assert_int_equal(rename(tmp, d->config), 0);
+}
+
+static bool socket_accepts(const char *path)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+    if (fd >= 0)
+        close(fd);
+    return ok;
+}
+
+/* The daemon of the running test, killed by dh_teardown if the test fails. */
+static pid_t running_pid;
+
+int dh_teardown(void **state)
+{
+    if (running_pid > 0) {
+        kill(running_pid, SIGKILL);
+        waitpid(running_pid, NULL, 0);
+        running_pid = 0;
+    }
+    return 0;
+}
+
+int dh_start(dh_daemon *d, const char *yaml)
+{
+    memset(d, 0, sizeof(*d));
+    snprintf(d->dir, sizeof(d->dir), "/tmp/kdad-test-XXXXXX");
+    assert_non_null(mkdtemp(d->dir));
+    snprintf(d->sock, sizeof(d->sock), "%s/kdad.sock", d->dir);
+    snprintf(d->config, sizeof(d->config), "%s/kdad.yaml", d->dir);
+    snprintf(d->log, sizeof(d->log), "%s/kdad.log", d->dir);
+    dh_write_config(d, yaml);
+
+    char exe[512];
+    snprintf(exe, sizeof(exe), "%s/daemon/kdad", KDAD_BUILD_DIR);
+    char *argv[] = {exe, "--config", d->config, "--socket", d->sock, "--backend", DH_BACKEND,
+                    NULL};
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, d->log, O_WRONLY | O_CREAT | O_TRUNC,
+                                     0644);
+    posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
+    int rc = posix_spawn(&d->pid, exe, &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    assert_int_equal(rc, 0);
+    running_pid = d->pid;
+
+    double deadline = now_ms() + START_WAIT_MS;
+    while (now_ms() < deadline) {
+        int status;
+        if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+            d->pid = running_pid = 0;
+            if (WIFEXITED(status) && WEXITSTATUS(status) == 69) {
+                char *log = dh_log(d);
+                fprintf(stderr, "skipped: backend %s is not available here: %s", DH_BACKEND,
+                        log);
+                free(log);
+                return 77;
+            }
+            print_log(d);
+            fail_msg("kdad exited during start-up (status 0x%x)", status);
+        }
+        if (socket_accepts(d->sock))
+            return 0;
+        usleep(20000);
+    }
+    print_log(d);
+    fail_msg("kdad did not start listening within %d ms", START_WAIT_MS);
+    return -1;
+}
+
+int dh_signal_wait(dh_daemon *d, int sig)
+{
+    if (d->pid <= 0)
+        return -1;
+    if (sig)
+        kill(d->pid, sig);
+    double deadline = now_ms() + EXIT_WAIT_MS;
+    int status;
+    while (now_ms() < deadline) {
+        pid_t got = waitpid(d->pid, &status, WNOHANG);
+        if (got == d->pid) {
+            d->pid = running_pid = 0;
+            if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+                print_log(d);
+            return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        }
+        usleep(10000);
+    }
+    kill(d->pid, SIGKILL);
+    waitpid(d->pid, &status, 0);
+    d->pid = running_pid = 0;
+    print_log(d);
+    return -1;
+}
+
+static void remove_folder(dh_daemon *d)
+{
+    char path[160];
+    const char *files[] = {d->config, d->log, d->sock};
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++)
+        unlink(files[i]);
+    snprintf(path, sizeof(path), "%s.tmp", d->config);
+    unlink(path);
+    rmdir(d->dir);
+}
+
+void dh_stop(dh_daemon *d)
+{
+    assert_int_equal(dh_signal_wait(d, SIGTERM), 0);
+    remove_folder(d);
+}
+
+void dh_expect_exit(dh_daemon *d, int code)
+{
+    assert_int_equal(dh_signal_wait(d, 0), code);
+    remove_folder(d);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Workloads and the oracle                                               */
+/* ---------------------------------------------------------------------- */
+
+void dh_seq_make(dh_seq *s, test_rng *r, uint32_t len)
+{
+    size_t tok = (size_t)len * DH_HEADS * 128 + 1, beta = (size_t)len * DH_HEADS + 1;
+    s->len = len;
+    s->q = malloc(tok * 2);
+    s->k = malloc(tok * 2);
+    s->v = malloc(tok * 2);
+    s->g = malloc(tok * 2);
+    s->beta = malloc(beta * 2);
+    assert_true(s->q && s->k && s->v && s->g && s->beta);
+    fill_normal_bf16(r, s->q, tok, 0, 1);
+    fill_normal_bf16(r, s->k, tok, 0, 1);
+    fill_normal_bf16(r, s->v, tok, 0, 1);
+    fill_normal_bf16(r, s->g, tok, 0, 1);
+    fill_normal_bf16(r, s->beta, beta, 0, 1);
+}
+
+void dh_seq_free(dh_seq *s)
+{
+    free(s->q);
+    free(s->k);
+    free(s->v);
+    free(s->g);
+    free(s->beta);
+    memset(s, 0, sizeof(*s));
+}
+
+dh_seq dh_seq_slice(const dh_seq *s, uint32_t from, uint32_t len)
+{
+    size_t t = (size_t)from * DH_HEADS * 128, b = (size_t)from * DH_HEADS;
+    return (dh_seq){len, s->q + t, s->k + t, s->v + t, s->g + t, s->beta + b};
+}
+
+void dh_layer_make(dh_layer *l, test_rng *r)
+{
+    for (int h = 0; h < DH_HEADS; h++)
+        l->A_log[h] = (float)rng_uniform(r);
+    for (int i = 0; i < DH_HEADS * 128; i++)
+        l->dt_bias[i] = (float)rng_uniform(r);
+    l->lower_bound = -5.0f;
+    l->scale = KP_DEFAULT_SCALE;
+}
+
+void dh_oracle(const dh_layer *l, const dh_seq *s, double *state, double *out)
+{
+    kda_layer kl = {l->A_log, l->dt_bias, l->lower_bound, l->scale};
+    kda_ref_sequence(DH_HEADS, &kl, s->q, s->k, s->v, s->g, s->beta, s->len, state, out);
+}
+
+double dh_err_bf16(const uint16_t *x, const double *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = kda_bf16_to_f32(x[i]) - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+double dh_err_f32(const float *x, const double *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = x[i] - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Client                                                                 */
+/* ---------------------------------------------------------------------- */
+
+void dh_connect(dh_client *c, const dh_daemon *d)
+{
+    memset(c, 0, sizeof(*c));
+    c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(c->fd >= 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", d->sock);
+    assert_int_equal(connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    kp_reader_init(&c->reader, UINT32_MAX);
+    assert_int_equal(kp_writer_init(&c->w, UINT32_MAX), KP_OK);
+    kp_msg_init(&c->msg);
+    c->next_id = 1;
+}
+
+void dh_close(dh_client *c)
+{
+    if (c->fd >= 0)
+        close(c->fd);
+    c->fd = -1;
+    kp_reader_close(&c->reader);
+    kp_writer_close(&c->w);
+    kp_msg_close(&c->msg);
+    free(c->body);
+    c->body = NULL;
+}
+
+uint32_t dh_id(dh_client *c)
+{
+    return c->next_id++;
+}
+
+void dh_write(dh_client *c, const void *bytes, size_t n)
+{
+    const uint8_t *p = bytes;
+    while (n > 0) {
+        ssize_t w = send(c->fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR)
+            continue;
+        assert_true(w > 0);
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+void dh_send(dh_client *c)
+{
+    uint8_t *frame;
+    size_t len;
+    assert_int_equal(kp_writer_flatten(&c->w, &frame, &len, NULL), KP_OK);
+    dh_write(c, frame, len);
+    free(frame);
+}
+
+void dh_send_fd(dh_client *c, int fd)
+{
+    uint8_t *frame;
+    size_t len;
+    assert_int_equal(kp_writer_flatten(&c->w, &frame, &len, NULL), KP_OK);
+    union {
+        struct cmsghdr align;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } control;
+    memset(&control, 0, sizeof(control));
+    struct iovec v = {frame, len};
+    struct msghdr m = {.msg_iov = &v, .msg_iovlen = 1, .msg_control = control.buf,
+                       .msg_controllen = sizeof(control.buf)};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    ssize_t w = sendmsg(c->fd, &m, MSG_NOSIGNAL);
+    assert_true(w > 0);
+    if ((size_t)w < len)
+        dh_write(c, frame + w, len - (size_t)w);
+    free(frame);
+}
+
+bool dh_recv(dh_client *c)
+{
+    kp_msg_close(&c->msg);
+    free(c->body);
+    c->body = NULL;
+    double deadline = now_ms() + RECV_WAIT_MS;
+    for (;;) {
+        uint8_t *buf;
+        size_t space = kp_reader_space(&c->reader, &buf);
+        assert_non_null(buf);
+        struct pollfd p = {c->fd, POLLIN, 0};
+        int left = (int)(deadline - now_ms());
+        if (left <= 0 || poll(&p, 1, left) != 1)
+            fail_msg("no frame from kdad within %d ms", RECV_WAIT_MS);
+        ssize_t n = recv(c->fd, buf, space, 0);
+        if (n == 0 || (n < 0 && errno == ECONNRESET))
+            return false;
+        assert_true(n > 0);
+        kp_error e;
+        int rc = kp_reader_commit(&c->reader, (size_t)n, &e);
+        assert_true(rc >= 0);
+        if (rc == KP_READ_FRAME)
+            break;
+    }
+    c->body = kp_reader_take(&c->reader, &c->body_len);
+    kp_error e;
+    int rc = kp_msg_decode(&c->msg, c->body, c->body_len, UINT32_MAX, &e);
+    if (rc != KP_OK)
+        fail_msg("undecodable frame from kdad: %s", e.message);
+    return true;
+}
+
+void dh_expect_result(dh_client *c, uint32_t id)
+{
+    assert_true(dh_recv(c));
+    assert_int_equal(c->msg.kind, KP_MSG_RESPONSE);
+    if (c->msg.error) {
+        kp_error remote, e;
+        assert_int_equal(kp_response_error_decode(&c->msg, &remote, &e), KP_OK);
+        fail_msg("request %u failed: %s: %s", id, kp_code_name(remote.code), remote.message);
+    }
+    assert_int_equal(c->msg.id, id);
+}
+
+void dh_expect_error(dh_client *c, uint32_t id, int code, const char *substr)
+{
+    assert_true(dh_recv(c));
+    assert_int_equal(c->msg.kind, KP_MSG_RESPONSE);
+    assert_int_equal(c->msg.id, id);
+    assert_non_null(c->msg.error);
+    kp_error remote, e;
+    assert_int_equal(kp_response_error_decode(&c->msg, &remote, &e), KP_OK);
+    if (remote.code != code || (substr && !strstr(remote.message, substr)))
+        fail_msg("request %u: expected %s containing \"%s\", got %s: %s", id,
+                 kp_code_name(code), substr ? substr : "", kp_code_name(remote.code),
+                 remote.message);
+}
+
+void dh_expect_goodbye(dh_client *c, int code, const char *substr)
+{
+    assert_true(dh_recv(c));
+    kp_error remote, e;
+    if (kp_goodbye_decode(&c->msg, &remote, &e) != KP_OK)
+        fail_msg("expected a goodbye, got a message of kind %d", (int)c->msg.kind);
+    if (remote.code != code || (substr && !strstr(remote.message, substr)))
+        fail_msg("goodbye: expected %s containing \"%s\", got %s: %s", kp_code_name(code),
+                 substr ? substr : "", kp_code_name(remote.code), remote.message);
+    assert_false(dh_recv(c)); /* then the daemon closes */
+}
+
+void dh_hello(dh_client *c)
+{
+    kp_hello_params p = {{KP_PROTOCOL_VERSION}, 1, "daemon_harness"};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_hello_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_hello_result r;
+    assert_int_equal(kp_hello_result_decode(&c->msg, &r, NULL), KP_OK);
+    kp_session_from_hello(&c->session, &r);
+    assert_int_equal(r.geometry.heads, DH_HEADS);
+}
+
+uint64_t dh_alloc(dh_client *c)
+{
+    kp_slot_alloc_params p = {1, true};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_alloc_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_slot_list r;
+    assert_int_equal(kp_slot_alloc_result_decode(&c->msg, &r, NULL), KP_OK);
+    assert_int_equal(r.nslots, 1);
+    return r.slots[0];
+}
+
+void dh_register_layer(dh_client *c, const char *name, const dh_layer *l)
+{
+    kp_layer_register_params p = {name, kp_ref_inline(l->A_log, sizeof(l->A_log)),
+                                  kp_ref_inline(l->dt_bias, sizeof(l->dt_bias)), l->lower_bound,
+                                  l->scale};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_layer_register_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+}
+
+uint32_t dh_send_prefill(dh_client *c, const char *layer, uint64_t slot, const dh_seq *s,
+                         int64_t expect_pos)
+{
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.slot = slot;
+    q.len = s->len;
+    q.has_expect_pos = expect_pos >= 0;
+    q.expect_pos = expect_pos >= 0 ? (uint64_t)expect_pos : 0;
+    if (s->len) {
+        q.q = kp_ref_inline(s->q, DH_TOKEN_BYTES(s->len));
+        q.k = kp_ref_inline(s->k, DH_TOKEN_BYTES(s->len));
+        q.v = kp_ref_inline(s->v, DH_TOKEN_BYTES(s->len));
+        q.g = kp_ref_inline(s->g, DH_TOKEN_BYTES(s->len));
+        q.beta = kp_ref_inline(s->beta, DH_BETA_BYTES(s->len));
+    }
+    kp_prefill_params p = {layer, &q, 1};
+    uint32_t id = dh_id(c);
+    kp_error e;
+    if (kp_prefill_params_encode(&c->w, id, &p, &e) != KP_OK)
+        fail_msg("encoding a prefill: %s", e.message);
+    dh_send(c);
+    return id;
+}
+
+uint64_t dh_recv_prefill(dh_client *c, uint32_t id, const dh_seq *s, uint16_t *out)
+{
+    dh_expect_result(c, id);
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.len = s->len;
+    kp_prefill_params req = {"", &q, 1};
+    kp_prefill_result r;
+    kp_error e;
+    if (kp_prefill_result_decode(&c->msg, &c->session, &req, &r, &e) != KP_OK)
+        fail_msg("prefill result: %s", e.message);
+    if (out && s->len)
+        memcpy(out, r.seqs[0].out.data, DH_TOKEN_BYTES(s->len));
+    return r.seqs[0].pos;
+}
+
+uint64_t dh_read_state(dh_client *c, uint64_t slot, float *state)
+{
+    kp_slot_read_params p;
+    memset(&p, 0, sizeof(p));
+    p.slot = slot;
+    p.has_dtype = true;
+    p.dtype = KP_DTYPE_F32;
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_read_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_slot_read_result r;
+    kp_error e;
+    if (kp_slot_read_result_decode(&c->msg, &c->session, &r, &e) != KP_OK)
+        fail_msg("slot.read result: %s", e.message);
+    assert_int_equal(r.state.kind, KP_REF_INLINE);
+    memcpy(state, r.state.data, DH_STATE_ELEMS * sizeof(float));
+    return r.pos;
+}
+
+void dh_stats(dh_client *c, kp_stats_result *r)
+{
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_stats_params_encode(&c->w, id, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_error e;
+    if (kp_stats_result_decode(&c->msg, r, &e) != KP_OK)
+        fail_msg("stats result: %s", e.message);
+}
+
+uint64_t dh_counter(const kp_counter *v, uint32_t n, const char *name)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        if (strcmp(v[i].name, name) == 0)
+            return v[i].value;
+    }
+    return 0;
+}

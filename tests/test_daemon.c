@@ -1,0 +1,1181 @@
+/*
+ * test_daemon.c - kdad end to end: a real daemon process on a temporary
+ * socket, driven over the wire protocol (daemon_harness.h), every result
+ * checked against the float64 oracle or against another path to the same
+ * value.  Built twice: test_daemon (cpu backend) and test_daemon_cuda
+ * (DH_BACKEND "cuda"; exits 77 without a usable GPU).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bf16.h"
+#include "daemon_harness.h"
+#include "safetensors.h"
+
+#define OUT_TOL 0.005   /* KDA.md: output rel RMS error against the oracle */
+#define STATE_TOL 0.005 /* final state */
+
+static const char base_yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n";
+
+/* A daemon with base_yaml plus extra lines. */
+static void start(dh_daemon *d, const char *extra)
+{
+    char yaml[2048];
+    snprintf(yaml, sizeof(yaml), "%s%s", base_yaml, extra ? extra : "");
+    if (dh_start(d, yaml) == 77)
+        skip();
+}
+
+static void send_simple(dh_client *c, uint32_t id, kp_method m)
+{
+    switch (m) {
+    case KP_METHOD_HEALTH: assert_int_equal(kp_health_params_encode(&c->w, id, NULL), KP_OK); break;
+    case KP_METHOD_LAYER_LIST: assert_int_equal(kp_layer_list_params_encode(&c->w, id, NULL), KP_OK); break;
+    default: fail_msg("send_simple: method %d", (int)m);
+    }
+    dh_send(c);
+}
+
+static kp_slot_info slot_info(dh_client *c, uint64_t slot, uint32_t *pool_free)
+{
+    kp_slot_info_params p = {true, {&slot, 1}};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_info_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_slot_info_result r;
+    assert_int_equal(kp_slot_info_result_decode(&c->msg, &r, NULL), KP_OK);
+    assert_int_equal(r.nslots, 1);
+    if (pool_free)
+        *pool_free = r.pool_free;
+    return r.slots[0];
+}
+
+/* Oracle check of one sequence run from a zero state: output and final state. */
+static void check_oracle(dh_client *c, const dh_layer *l, uint64_t slot, const dh_seq *s,
+                         const uint16_t *out)
+{
+    double *state = calloc(DH_STATE_ELEMS, sizeof(double));
+    double *ref = calloc((size_t)s->len * DH_HEADS * 128 + 1, sizeof(double));
+    float *got = malloc(DH_STATE_ELEMS * sizeof(float));
+    dh_oracle(l, s, state, ref);
+    double out_err = dh_err_bf16(out, ref, (size_t)s->len * DH_HEADS * 128);
+    assert_int_equal(dh_read_state(c, slot, got), s->len);
+    double state_err = dh_err_f32(got, state, DH_STATE_ELEMS);
+    if (out_err > OUT_TOL || state_err > STATE_TOL)
+        fail_msg("len %u: output error %.2e, state error %.2e", s->len, out_err, state_err);
+    free(state);
+    free(ref);
+    free(got);
+}
+
+/* ---------------------------------------------------------------------- */
+
+static void test_hello_and_layers(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    test_rng r;
+    dh_layer l, other;
+    start(&d, NULL);
+    dh_connect(&c, &d);
+
+    /* Nothing but hello before hello; the connection stays usable. */
+    kp_slot_alloc_params ap = {1, true};
+    uint32_t id = dh_id(&c);
+    assert_int_equal(kp_slot_alloc_params_encode(&c.w, id, &ap, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_HELLO_REQUIRED, "send hello first");
+
+    kp_hello_params hp = {{3, KP_PROTOCOL_VERSION}, 2, "test"};
+    id = dh_id(&c);
+    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    kp_hello_result hr;
+    assert_int_equal(kp_hello_result_decode(&c.msg, &hr, NULL), KP_OK);
+    assert_int_equal(hr.version, 1);
+    assert_string_equal(hr.server, "kdad 0.1.0");
+    assert_int_equal(hr.backend, strcmp(DH_BACKEND, "cuda") == 0 ? KP_BACKEND_CUDA : KP_BACKEND_CPU);
+    assert_int_equal(hr.has_gpu, strcmp(DH_BACKEND, "cuda") == 0);
+    assert_int_equal(hr.geometry.heads, DH_HEADS);
+    assert_int_equal(hr.geometry.slots, 64);
+    assert_int_equal(hr.geometry.state_dtype, KP_DTYPE_F32);
+    assert_true(hr.transports & KP_TRANSPORT_INLINE);
+    assert_true(hr.transports & KP_TRANSPORT_SHM);
+    assert_false(hr.slots_persist);
+    assert_int_equal(hr.limits.max_batch_tokens, KP_DEFAULT_MAX_BATCH_TOKENS);
+    kp_session_from_hello(&c.session, &hr);
+    uint64_t instance = hr.instance;
+
+    dh_hello(&c); /* a second hello changes nothing */
+    id = dh_id(&c);
+    send_simple(&c, id, KP_METHOD_HEALTH);
+    dh_expect_result(&c, id);
+    kp_health_result health;
+    assert_int_equal(kp_health_result_decode(&c.msg, &health, NULL), KP_OK);
+    assert_int_equal(health.status, KP_HEALTH_OK);
+
+    rng_seed(&r, 1);
+    dh_layer_make(&l, &r);
+    dh_layer_make(&other, &r);
+    /* register: new, identical again (created false), different content */
+    kp_layer_register_params lp = {"L0", kp_ref_inline(l.A_log, sizeof(l.A_log)),
+                                   kp_ref_inline(l.dt_bias, sizeof(l.dt_bias)), -5.0f,
+                                   KP_DEFAULT_SCALE};
+    kp_layer_register_result lr;
+    for (int i = 0; i < 2; i++) {
+        id = dh_id(&c);
+        assert_int_equal(kp_layer_register_params_encode(&c.w, id, &lp, NULL), KP_OK);
+        dh_send(&c);
+        dh_expect_result(&c, id);
+        assert_int_equal(kp_layer_register_result_decode(&c.msg, &lr, NULL), KP_OK);
+        assert_int_equal(lr.created, i == 0);
+    }
+    lp.A_log = kp_ref_inline(other.A_log, sizeof(other.A_log));
+    id = dh_id(&c);
+    assert_int_equal(kp_layer_register_params_encode(&c.w, id, &lp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_LAYER_EXISTS, "L0");
+
+    id = dh_id(&c);
+    send_simple(&c, id, KP_METHOD_LAYER_LIST);
+    dh_expect_result(&c, id);
+    kp_layer_list_result ll;
+    assert_int_equal(kp_layer_list_result_decode(&c.msg, &ll, NULL), KP_OK);
+    assert_int_equal(ll.nlayers, 1);
+    assert_string_equal(ll.layers[0].name, "L0");
+    assert_int_equal(ll.layers[0].source, KP_LAYER_SOURCE_CLIENT);
+
+    kp_layer_drop_params dp = {"L0"};
+    id = dh_id(&c);
+    assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    id = dh_id(&c);
+    assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_UNKNOWN_LAYER, "L0");
+    dh_close(&c);
+
+    /* The instance stays for the daemon's life. */
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    assert_true(instance != 0);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+/*
+ * Many connections at once, each with its own slot and length, all checked
+ * against the oracle.  A long request goes first, so the others arrive while
+ * the device is busy and must be batched together.
+ */
+#define NCONN 16
+static void test_concurrent_clients_match_oracle(void **unused)
+{
+    dh_daemon d;
+    dh_client blocker, c[NCONN];
+    dh_seq big, s[NCONN];
+    dh_layer l;
+    test_rng r;
+    uint64_t slot[NCONN];
+    start(&d, NULL);
+    rng_seed(&r, 2);
+    dh_layer_make(&l, &r);
+
+    dh_connect(&blocker, &d);
+    dh_hello(&blocker);
+    dh_register_layer(&blocker, "L", &l);
+    uint64_t big_slot = dh_alloc(&blocker);
+    dh_seq_make(&big, &r, 1500);
+    for (int i = 0; i < NCONN; i++) {
+        dh_connect(&c[i], &d);
+        dh_hello(&c[i]);
+        slot[i] = dh_alloc(&c[i]);
+        dh_seq_make(&s[i], &r, 20 + 7 * (uint32_t)i);
+    }
+    uint32_t big_id = dh_send_prefill(&blocker, "L", big_slot, &big, 0);
+    uint32_t ids[NCONN];
+    for (int i = 0; i < NCONN; i++)
+        ids[i] = dh_send_prefill(&c[i], "L", slot[i], &s[i], 0);
+
+    uint16_t *big_out = malloc(DH_TOKEN_BYTES(1500)), *out[NCONN];
+    assert_int_equal(dh_recv_prefill(&blocker, big_id, &big, big_out), 1500);
+    uint64_t tokens = 1500;
+    for (int i = 0; i < NCONN; i++) {
+        out[i] = malloc(DH_TOKEN_BYTES(s[i].len));
+        assert_int_equal(dh_recv_prefill(&c[i], ids[i], &s[i], out[i]), s[i].len);
+        tokens += s[i].len;
+    }
+    kp_stats_result st;
+    dh_stats(&blocker, &st);
+    assert_int_equal(st.seqs, NCONN + 1);
+    assert_int_equal(st.tokens, tokens);
+    assert_int_equal(st.latency_count, NCONN + 1);
+    assert_true(st.latency_max_us >= st.latency_p50_us);
+    /* The 16 requests arrived while the long one ran: they share launches. */
+    if (st.batches > NCONN / 2)
+        fail_msg("%llu launches for %d prefills: requests were not batched",
+                 (unsigned long long)st.batches, NCONN + 1);
+
+    check_oracle(&blocker, &l, big_slot, &big, big_out);
+    for (int i = 0; i < NCONN; i++) {
+        check_oracle(&c[i], &l, slot[i], &s[i], out[i]);
+        free(out[i]);
+    }
+    free(big_out);
+    for (int i = 0; i < NCONN; i++) {
+        dh_close(&c[i]);
+        dh_seq_free(&s[i]);
+    }
+    dh_close(&blocker);
+    dh_seq_free(&big);
+    dh_stop(&d);
+}
+
+static kp_prefill_seq inline_seq(uint64_t slot, const dh_seq *s)
+{
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.slot = slot;
+    q.len = s ? s->len : 0;
+    if (s && s->len) {
+        q.q = kp_ref_inline(s->q, DH_TOKEN_BYTES(s->len));
+        q.k = kp_ref_inline(s->k, DH_TOKEN_BYTES(s->len));
+        q.v = kp_ref_inline(s->v, DH_TOKEN_BYTES(s->len));
+        q.g = kp_ref_inline(s->g, DH_TOKEN_BYTES(s->len));
+        q.beta = kp_ref_inline(s->beta, DH_BETA_BYTES(s->len));
+    }
+    return q;
+}
+
+/* One request, three sequences: a normal one, a fresh one on an empty slot,
+ * and a zero-length one that only checks its position. */
+static void test_multi_sequence_request(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq a, b;
+    test_rng r;
+    start(&d, NULL);
+    rng_seed(&r, 3);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&a, &r, 77);
+    dh_seq_make(&b, &r, 130);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_register_layer(&c, "L", &l);
+    uint64_t s0 = dh_alloc(&c), s2 = dh_alloc(&c);
+    kp_slot_alloc_params ap = {1, false};
+    uint32_t id = dh_id(&c);
+    assert_int_equal(kp_slot_alloc_params_encode(&c.w, id, &ap, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    kp_slot_list sl;
+    assert_int_equal(kp_slot_alloc_result_decode(&c.msg, &sl, NULL), KP_OK);
+    uint64_t s1 = sl.slots[0];
+    assert_int_equal(slot_info(&c, s1, NULL).status, KP_SLOT_EMPTY);
+
+    kp_prefill_seq q[3] = {inline_seq(s0, &a), inline_seq(s1, &b), inline_seq(s2, NULL)};
+    q[1].fresh = true;
+    q[2].has_expect_pos = true;
+    q[2].expect_pos = 0;
+    kp_prefill_params p = {"L", q, 3};
+    id = dh_id(&c);
+    assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    kp_prefill_result res;
+    kp_error e;
+    if (kp_prefill_result_decode(&c.msg, &c.session, &p, &res, &e) != KP_OK)
+        fail_msg("%s", e.message);
+    assert_int_equal(res.nseqs, 3);
+    assert_int_equal(res.seqs[0].pos, 77);
+    assert_int_equal(res.seqs[1].pos, 130);
+    assert_int_equal(res.seqs[2].pos, 0);
+    assert_int_equal(res.seqs[2].out.kind, KP_REF_ABSENT);
+    uint16_t *oa = malloc(DH_TOKEN_BYTES(77)), *ob = malloc(DH_TOKEN_BYTES(130));
+    memcpy(oa, res.seqs[0].out.data, DH_TOKEN_BYTES(77));
+    memcpy(ob, res.seqs[1].out.data, DH_TOKEN_BYTES(130));
+    check_oracle(&c, &l, s0, &a, oa);
+    check_oracle(&c, &l, s1, &b, ob);
+    assert_int_equal(slot_info(&c, s1, NULL).status, KP_SLOT_READY);
+    free(oa);
+    free(ob);
+    dh_seq_free(&a);
+    dh_seq_free(&b);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+/* One prefill of 1000 tokens equals 300 + 300 + 400 on the same slot,
+ * pipelined with expect_pos, to rounding; both match the oracle. */
+static void test_chunked_continuation(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq all;
+    test_rng r;
+    start(&d, NULL);
+    rng_seed(&r, 4);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&all, &r, 1000);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_register_layer(&c, "L", &l);
+    uint64_t one = dh_alloc(&c), chunked = dh_alloc(&c);
+
+    uint16_t *whole = malloc(DH_TOKEN_BYTES(1000)), *parts = malloc(DH_TOKEN_BYTES(1000));
+    uint32_t id = dh_send_prefill(&c, "L", one, &all, 0);
+    assert_int_equal(dh_recv_prefill(&c, id, &all, whole), 1000);
+
+    const uint32_t cut[4] = {0, 300, 600, 1000};
+    dh_seq chunk[3];
+    uint32_t ids[3];
+    for (int i = 0; i < 3; i++) {
+        chunk[i] = dh_seq_slice(&all, cut[i], cut[i + 1] - cut[i]);
+        ids[i] = dh_send_prefill(&c, "L", chunked, &chunk[i], cut[i]);
+    }
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(dh_recv_prefill(&c, ids[i], &chunk[i],
+                                         parts + (size_t)cut[i] * DH_HEADS * 128),
+                         cut[i + 1]);
+
+    size_t n = (size_t)1000 * DH_HEADS * 128;
+    double *ref = malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++)
+        ref[i] = kda_bf16_to_f32(whole[i]);
+    double diff = dh_err_bf16(parts, ref, n);
+    if (diff > OUT_TOL)
+        fail_msg("one prefill and three chunks differ: rel RMS %.2e", diff);
+    float *s1 = malloc(DH_STATE_ELEMS * sizeof(float)), *s2 = malloc(DH_STATE_ELEMS * sizeof(float));
+    double *sref = malloc(DH_STATE_ELEMS * sizeof(double));
+    assert_int_equal(dh_read_state(&c, one, s1), 1000);
+    assert_int_equal(dh_read_state(&c, chunked, s2), 1000);
+    for (size_t i = 0; i < DH_STATE_ELEMS; i++)
+        sref[i] = s1[i];
+    diff = dh_err_f32(s2, sref, DH_STATE_ELEMS);
+    if (diff > STATE_TOL)
+        fail_msg("final states of one prefill and three chunks differ: rel RMS %.2e", diff);
+    check_oracle(&c, &l, one, &all, whole);
+    check_oracle(&c, &l, chunked, &all, parts);
+    free(ref);
+    free(sref);
+    free(s1);
+    free(s2);
+    free(whole);
+    free(parts);
+    dh_seq_free(&all);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+static uint64_t fork_slot(dh_client *c, uint64_t src, const uint64_t *dst, uint64_t *pos)
+{
+    kp_slot_fork_params p = {src, dst != NULL, dst ? *dst : 0};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_fork_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_slot_fork_result r;
+    assert_int_equal(kp_slot_fork_result_decode(&c->msg, &r, NULL), KP_OK);
+    *pos = r.pos;
+    return r.slot;
+}
+
+static void write_state(dh_client *c, uint64_t slot, uint64_t pos, kp_dtype dtype,
+                        const void *state)
+{
+    kp_slot_write_params p = {slot, pos, dtype,
+                              kp_ref_inline(state, DH_STATE_ELEMS * kp_dtype_size(dtype))};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_write_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+}
+
+static void read_bf16(dh_client *c, uint64_t slot, uint16_t *state)
+{
+    kp_slot_read_params p;
+    memset(&p, 0, sizeof(p));
+    p.slot = slot;
+    p.has_dtype = true;
+    p.dtype = KP_DTYPE_BF16;
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_read_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_slot_read_result r;
+    assert_int_equal(kp_slot_read_result_decode(&c->msg, &c->session, &r, NULL), KP_OK);
+    assert_int_equal(r.dtype, KP_DTYPE_BF16);
+    memcpy(state, r.state.data, DH_STATE_ELEMS * 2);
+}
+
+/* Runs the same tokens on several slots: the outputs must be identical. */
+static void same_continuation(dh_client *c, const uint64_t *slots, int n, const dh_seq *s,
+                              uint64_t pos)
+{
+    uint16_t *first = malloc(DH_TOKEN_BYTES(s->len)), *out = malloc(DH_TOKEN_BYTES(s->len));
+    uint32_t ids[8];
+    for (int i = 0; i < n; i++)
+        ids[i] = dh_send_prefill(c, "L", slots[i], s, (int64_t)pos);
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(dh_recv_prefill(c, ids[i], s, i ? out : first), pos + s->len);
+        if (i)
+            assert_memory_equal(first, out, DH_TOKEN_BYTES(s->len));
+    }
+    free(first);
+    free(out);
+}
+
+static void test_fork_snapshot_restore(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq s, next, last;
+    test_rng r;
+    uint64_t pos;
+    start(&d, NULL);
+    rng_seed(&r, 5);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&s, &r, 200);
+    dh_seq_make(&next, &r, 64);
+    dh_seq_make(&last, &r, 32);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_register_layer(&c, "L", &l);
+    uint64_t a = dh_alloc(&c), dst = dh_alloc(&c);
+    uint32_t id = dh_send_prefill(&c, "L", a, &s, 0);
+    dh_recv_prefill(&c, id, &s, NULL);
+
+    /* fork into a new slot and into an existing one */
+    uint64_t f = fork_slot(&c, a, NULL, &pos);
+    assert_int_equal(pos, 200);
+    assert_true(f != a && f != dst);
+    assert_int_equal(fork_slot(&c, a, &dst, &pos), dst);
+    assert_int_equal(slot_info(&c, dst, NULL).pos, 200);
+    uint64_t three[3] = {a, f, dst};
+    same_continuation(&c, three, 3, &next, 200);
+
+    /* snapshot (f32, exact) and restore into another slot */
+    float *snap = malloc(DH_STATE_ELEMS * sizeof(float)), *back = malloc(DH_STATE_ELEMS * 4);
+    assert_int_equal(dh_read_state(&c, a, snap), 264);
+    uint64_t w = dh_alloc(&c);
+    write_state(&c, w, 264, KP_DTYPE_F32, snap);
+    kp_slot_info info = slot_info(&c, w, NULL);
+    assert_int_equal(info.pos, 264);
+    assert_int_equal(info.status, KP_SLOT_READY);
+    assert_int_equal(dh_read_state(&c, w, back), 264);
+    assert_memory_equal(snap, back, DH_STATE_ELEMS * sizeof(float));
+    uint64_t two[2] = {a, w};
+    same_continuation(&c, two, 2, &last, 264);
+
+    /* a bf16 snapshot restores exactly its bf16 values into the f32 pool */
+    uint16_t *half = malloc(DH_STATE_ELEMS * 2);
+    read_bf16(&c, a, half);
+    assert_int_equal(dh_read_state(&c, a, snap), 296);
+    for (size_t i = 0; i < DH_STATE_ELEMS; i++)
+        assert_int_equal(half[i], kda_f32_to_bf16(snap[i]));
+    uint64_t x = dh_alloc(&c);
+    write_state(&c, x, 7, KP_DTYPE_BF16, half);
+    assert_int_equal(dh_read_state(&c, x, back), 7);
+    for (size_t i = 0; i < DH_STATE_ELEMS; i++)
+        assert_true(back[i] == kda_bf16_to_f32(half[i]));
+
+    /* a new slot reads as zeros, and so does its fork */
+    uint64_t z = dh_alloc(&c);
+    uint64_t zf = fork_slot(&c, z, NULL, &pos);
+    assert_int_equal(pos, 0);
+    assert_int_equal(dh_read_state(&c, zf, back), 0);
+    for (size_t i = 0; i < DH_STATE_ELEMS; i++)
+        assert_true(back[i] == 0.0f);
+
+    /* forks that cannot be */
+    kp_slot_alloc_params ap = {1, false};
+    id = dh_id(&c);
+    assert_int_equal(kp_slot_alloc_params_encode(&c.w, id, &ap, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    kp_slot_list sl;
+    assert_int_equal(kp_slot_alloc_result_decode(&c.msg, &sl, NULL), KP_OK);
+    uint64_t empty = sl.slots[0];
+    uint32_t free_before, free_after;
+    slot_info(&c, a, &free_before);
+    kp_slot_fork_params fp = {empty, false, 0};
+    id = dh_id(&c);
+    assert_int_equal(kp_slot_fork_params_encode(&c.w, id, &fp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_STATE_LOST, "empty");
+    /* the destination allocated for the failed fork went back to the pool */
+    slot_info(&c, a, &free_after);
+    assert_int_equal(free_before, free_after);
+    fp = (kp_slot_fork_params){a, true, a};
+    id = dh_id(&c);
+    assert_int_equal(kp_slot_fork_params_encode(&c.w, id, &fp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "same slot");
+
+    free(snap);
+    free(back);
+    free(half);
+    dh_seq_free(&s);
+    dh_seq_free(&next);
+    dh_seq_free(&last);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+static uint32_t send_slot_list(dh_client *c, kp_method m, const uint64_t *slots, uint32_t n)
+{
+    kp_slot_list p = {slots, n};
+    uint32_t id = dh_id(c);
+    if (m == KP_METHOD_SLOT_FREE)
+        assert_int_equal(kp_slot_free_params_encode(&c->w, id, &p, NULL), KP_OK);
+    else
+        assert_int_equal(kp_slot_reset_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    return id;
+}
+
+static uint32_t send_alloc(dh_client *c, uint32_t count, bool zero)
+{
+    kp_slot_alloc_params p = {count, zero};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_alloc_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    return id;
+}
+
+static void test_handles_positions_and_quotas(void **unused)
+{
+    dh_daemon d;
+    dh_client c, other;
+    dh_layer l;
+    dh_seq s, t;
+    test_rng r;
+    start(&d, "limits:\n  max_batch_tokens: 512\n  max_slots_per_client: 10\n");
+    rng_seed(&r, 6);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&s, &r, 100);
+    dh_seq_make(&t, &r, 600);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_register_layer(&c, "L", &l);
+    uint64_t a = dh_alloc(&c);
+
+    /* unknown, stale and zero handles */
+    uint32_t id = dh_send_prefill(&c, "L", ((uint64_t)1 << 32) | 1000, &s, -1);
+    dh_expect_error(&c, id, KP_E_UNKNOWN_SLOT, "outside the pool of 64");
+    id = dh_send_prefill(&c, "L", 0, &s, -1);
+    dh_expect_error(&c, id, KP_E_STALE_SLOT, "stale");
+    uint64_t gone = dh_alloc(&c);
+    id = send_slot_list(&c, KP_METHOD_SLOT_FREE, &gone, 1);
+    dh_expect_result(&c, id);
+    id = dh_send_prefill(&c, "L", gone, &s, -1);
+    dh_expect_error(&c, id, KP_E_STALE_SLOT, "seqs[0].slot");
+    id = send_slot_list(&c, KP_METHOD_SLOT_FREE, &gone, 1);
+    dh_expect_error(&c, id, KP_E_STALE_SLOT, "slots[0]");
+    id = dh_send_prefill(&c, "nope", a, &s, -1);
+    dh_expect_error(&c, id, KP_E_UNKNOWN_LAYER, "nope");
+    id = dh_send_prefill(&c, "L", a, &t, -1);
+    dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "seqs[0].len: 600 is outside [0, 512]");
+    dh_seq half = dh_seq_slice(&t, 0, 300);
+    kp_prefill_seq two[2] = {inline_seq(a, &half), inline_seq(gone, &half)};
+    kp_prefill_params over = {"L", two, 2};
+    id = dh_id(&c);
+    assert_int_equal(kp_prefill_params_encode(&c.w, id, &over, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_LIMIT_EXCEEDED, "600 tokens in total exceed max_batch_tokens 512");
+
+    /* a wrong expect_pos changes nothing; a pipelined chain after it fails too */
+    id = dh_send_prefill(&c, "L", a, &s, 5);
+    dh_expect_error(&c, id, KP_E_POSITION_MISMATCH, "is at position 0, expect_pos 5");
+    uint32_t chain[3] = {dh_send_prefill(&c, "L", a, &s, 7), dh_send_prefill(&c, "L", a, &s, 107),
+                         dh_send_prefill(&c, "L", a, &s, 207)};
+    for (int i = 0; i < 3; i++)
+        dh_expect_error(&c, chain[i], KP_E_POSITION_MISMATCH, "is at position 0");
+    assert_int_equal(slot_info(&c, a, NULL).pos, 0);
+    id = dh_send_prefill(&c, "L", a, &s, 0);
+    assert_int_equal(dh_recv_prefill(&c, id, &s, NULL), 100);
+
+    /* reset returns to position 0 with a zero state */
+    id = send_slot_list(&c, KP_METHOD_SLOT_RESET, &a, 1);
+    dh_expect_result(&c, id);
+    float *st = malloc(DH_STATE_ELEMS * sizeof(float));
+    assert_int_equal(dh_read_state(&c, a, st), 0);
+    for (size_t i = 0; i < DH_STATE_ELEMS; i++)
+        assert_true(st[i] == 0.0f);
+    free(st);
+
+    /* an empty slot has no state to continue, but can start fresh */
+    id = send_alloc(&c, 1, false);
+    dh_expect_result(&c, id);
+    kp_slot_list sl;
+    assert_int_equal(kp_slot_alloc_result_decode(&c.msg, &sl, NULL), KP_OK);
+    uint64_t e = sl.slots[0];
+    id = dh_send_prefill(&c, "L", e, &s, -1);
+    dh_expect_error(&c, id, KP_E_STATE_LOST, "empty");
+    kp_prefill_seq q = inline_seq(e, &s);
+    q.fresh = true;
+    kp_prefill_params p = {"L", &q, 1};
+    id = dh_id(&c);
+    assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
+    dh_send(&c);
+    assert_int_equal(dh_recv_prefill(&c, id, &s, NULL), 100);
+
+    /* a prefill and a free pipelined on one slot: both run, in order */
+    id = dh_send_prefill(&c, "L", e, &s, 100);
+    uint32_t fid = send_slot_list(&c, KP_METHOD_SLOT_FREE, &e, 1);
+    assert_int_equal(dh_recv_prefill(&c, id, &s, NULL), 200);
+    dh_expect_result(&c, fid);
+
+    /* other connections cannot touch our slots */
+    dh_connect(&other, &d);
+    dh_hello(&other);
+    id = dh_send_prefill(&other, "L", a, &s, -1);
+    dh_expect_error(&other, id, KP_E_PERMISSION_DENIED, "another client");
+
+    /* quota: 10 per client (we hold 1), and the pool of 64 */
+    id = send_alloc(&c, 10, true);
+    dh_expect_error(&c, id, KP_E_QUOTA_EXCEEDED, "max_slots_per_client 10");
+    id = send_alloc(&c, 9, true);
+    dh_expect_result(&c, id);
+    dh_close(&c);
+    uint32_t pool_free = 0;
+    for (int tries = 0; tries < 200 && pool_free != 64; tries++) {
+        uint64_t mine = dh_alloc(&other);
+        slot_info(&other, mine, &pool_free);
+        pool_free++; /* ours */
+        id = send_slot_list(&other, KP_METHOD_SLOT_FREE, &mine, 1);
+        dh_expect_result(&other, id);
+        if (pool_free != 64)
+            usleep(10000);
+    }
+    assert_int_equal(pool_free, 64); /* the closed connection's slots came back */
+
+    dh_seq_free(&s);
+    dh_seq_free(&t);
+    dh_close(&other);
+    dh_stop(&d);
+}
+
+/* A client that vanishes mid-request (or mid-frame) costs nobody else. */
+static void test_disconnect_mid_request(void **unused)
+{
+    dh_daemon d;
+    dh_client gone, half, c;
+    dh_layer l;
+    dh_seq big, s;
+    test_rng r;
+    start(&d, NULL);
+    rng_seed(&r, 7);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&big, &r, 2000);
+    dh_seq_make(&s, &r, 50);
+
+    dh_connect(&gone, &d);
+    dh_hello(&gone);
+    dh_register_layer(&gone, "L", &l);
+    uint64_t gs = dh_alloc(&gone);
+    dh_send_prefill(&gone, "L", gs, &big, 0);
+    dh_send_prefill(&gone, "L", gs, &big, 2000); /* queued behind the first */
+    dh_close(&gone);
+
+    dh_connect(&half, &d);
+    dh_hello(&half);
+    kp_health_params_encode(&half.w, dh_id(&half), NULL);
+    uint8_t *frame;
+    size_t len;
+    assert_int_equal(kp_writer_flatten(&half.w, &frame, &len, NULL), KP_OK);
+    dh_write(&half, frame, 2); /* half a length prefix */
+    free(frame);
+    dh_close(&half);
+    dh_connect(&half, &d);
+    dh_hello(&half);
+    dh_send_prefill(&half, "L", 0, &s, -1);
+    shutdown(half.fd, SHUT_RDWR); /* a whole request, then gone before the answer */
+    dh_close(&half);
+
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    uint64_t mine = dh_alloc(&c);
+    uint16_t *out = malloc(DH_TOKEN_BYTES(50));
+    uint32_t id = dh_send_prefill(&c, "L", mine, &s, 0);
+    assert_int_equal(dh_recv_prefill(&c, id, &s, out), 50);
+    check_oracle(&c, &l, mine, &s, out);
+
+    /* the vanished client's slot returns once its running request is done */
+    uint32_t pool_free = 0;
+    for (int tries = 0; tries < 1000 && pool_free != 63; tries++) {
+        slot_info(&c, mine, &pool_free);
+        if (pool_free != 63)
+            usleep(20000);
+    }
+    assert_int_equal(pool_free, 63);
+    kp_stats_result st;
+    dh_stats(&c, &st);
+    assert_true(dh_counter(st.disconnects, st.ndisconnects, "peer_closed") >= 3);
+    assert_int_equal(st.connections, 1);
+    free(out);
+    dh_seq_free(&big);
+    dh_seq_free(&s);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+/* Raw bytes on a fresh connection: the daemon answers with `code` (a
+ * goodbye, or an error response on `id` first when id != 0). */
+static void expect_refused(const dh_daemon *d, bool hello, const void *bytes, size_t n,
+                           uint32_t id, int code, const char *substr)
+{
+    dh_client c;
+    dh_connect(&c, d);
+    if (hello)
+        dh_hello(&c);
+    dh_write(&c, bytes, n);
+    if (id)
+        dh_expect_error(&c, id, code, substr);
+    dh_expect_goodbye(&c, code, substr);
+    dh_close(&c);
+}
+
+static void test_malformed_frames(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq s, big;
+    test_rng r;
+    start(&d, NULL);
+
+    /* msgpack-c issue 1013: five bytes asking for ~96 GB */
+    static const uint8_t bomb[] = {0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff};
+    expect_refused(&d, false, bomb, sizeof(bomb), 0, KP_E_PROTOCOL, "announces");
+    static const uint8_t empty[] = {0, 0, 0, 0};
+    expect_refused(&d, false, empty, sizeof(empty), 0, KP_E_PROTOCOL, "empty frame");
+    static const uint8_t big_before_hello[] = {0, 1, 0, 1};
+    expect_refused(&d, false, big_before_hello, sizeof(big_before_hello), 0,
+                   KP_E_FRAME_TOO_LARGE, "65537");
+    static const uint8_t nil[] = {0, 0, 0, 1, 0xc0};
+    expect_refused(&d, true, nil, sizeof(nil), 0, KP_E_PROTOCOL, "expected an array");
+    /* [0, 7, "health", 5]: params not a map, answered on the id, then closed */
+    static const uint8_t not_map[] = {0, 0, 0, 10, 0x94, 0, 7, 0xa6, 'h', 'e', 'a', 'l', 't',
+                                      'h', 5};
+    expect_refused(&d, true, not_map, sizeof(not_map) - 1, 0, KP_E_PROTOCOL, "truncated");
+    uint8_t fixed[sizeof(not_map)];
+    memcpy(fixed, not_map, sizeof(fixed));
+    fixed[3] = 11;
+    expect_refused(&d, true, fixed, sizeof(fixed), 7, KP_E_PROTOCOL, "params: expected a map");
+    uint8_t deep[4 + 17 + 1] = {0, 0, 0, 18};
+    memset(deep + 4, 0x91, 17);
+    deep[21] = 0xc0;
+    expect_refused(&d, true, deep, sizeof(deep), 0, KP_E_PROTOCOL, "deeper than 16");
+    static const uint8_t ext[] = {0, 0, 0, 3, 0xd4, 1, 2};
+    expect_refused(&d, true, ext, sizeof(ext), 0, KP_E_PROTOCOL, "ext types");
+    /* [2, "hello", {}]: clients send no notifications */
+    static const uint8_t note[] = {0, 0, 0, 9, 0x93, 2, 0xa5, 'h', 'e', 'l', 'l', 'o', 0x80};
+    expect_refused(&d, true, note, sizeof(note), 0, KP_E_PROTOCOL, "requests only");
+    /* no version in common */
+    dh_connect(&c, &d);
+    kp_hello_params hp = {{9}, 1, NULL};
+    assert_int_equal(kp_hello_params_encode(&c.w, 1, &hp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, 1, KP_E_UNSUPPORTED_VERSION, "[9]");
+    dh_expect_goodbye(&c, KP_E_UNSUPPORTED_VERSION, NULL);
+    dh_close(&c);
+
+    /* errors that keep the connection: unknown method and field, wrong sizes */
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    static const uint8_t unknown[] = {0, 0, 0, 10, 0x94, 0, 9, 0xa5, 'f', 'l', 'y', 'n', 'g', 0x80};
+    dh_write(&c, unknown, sizeof(unknown));
+    dh_expect_error(&c, 9, KP_E_UNKNOWN_METHOD, "\"flyng\"");
+    /* [0, 10, "health", {"x": true}] */
+    static const uint8_t field[] = {0, 0, 0, 14, 0x94, 0, 10, 0xa6, 'h', 'e', 'a', 'l', 't', 'h',
+                                    0x81, 0xa1, 'x', 0xc3};
+    dh_write(&c, field, sizeof(field));
+    dh_expect_error(&c, 10, KP_E_INVALID_PARAMS, "unknown field \"x\"");
+    rng_seed(&r, 8);
+    dh_layer_make(&l, &r);
+    dh_register_layer(&c, "L", &l);
+    dh_seq_make(&s, &r, 12);
+    uint64_t slot = dh_alloc(&c);
+    kp_prefill_seq q = inline_seq(slot, &s);
+    q.q.nbytes = 100;
+    kp_prefill_params p = {"L", &q, 1};
+    uint32_t id = dh_id(&c);
+    assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "seqs[0].q: expected 12288 bytes");
+
+    /* reusing an id that is still in flight ends the connection */
+    dh_seq_make(&big, &r, 3000);
+    id = dh_send_prefill(&c, "L", slot, &big, 0);
+    assert_int_equal(kp_health_params_encode(&c.w, id, NULL), KP_OK);
+    dh_send(&c);
+    /* the prefill's answer may come first; the goodbye must come */
+    assert_true(dh_recv(&c));
+    if (c.msg.kind == KP_MSG_RESPONSE)
+        assert_true(dh_recv(&c));
+    kp_error remote, e;
+    assert_int_equal(kp_goodbye_decode(&c.msg, &remote, &e), KP_OK);
+    assert_int_equal(remote.code, KP_E_PROTOCOL);
+    assert_non_null(strstr(remote.message, "already in flight"));
+    dh_close(&c);
+
+    /* and the daemon still serves everyone else */
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    slot = dh_alloc(&c);
+    uint16_t *out = malloc(DH_TOKEN_BYTES(12));
+    dh_register_layer(&c, "L", &l);
+    id = dh_send_prefill(&c, "L", slot, &s, 0);
+    assert_int_equal(dh_recv_prefill(&c, id, &s, out), 12);
+    check_oracle(&c, &l, slot, &s, out);
+    kp_stats_result st;
+    dh_stats(&c, &st);
+    assert_true(dh_counter(st.disconnects, st.ndisconnects, "protocol") >= 8);
+    assert_true(dh_counter(st.errors, st.nerrors, "UNKNOWN_METHOD") == 1);
+    free(out);
+    dh_seq_free(&s);
+    dh_seq_free(&big);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+/* What the drain test has seen so far. */
+#define DRAIN_CHAIN 30
+typedef struct drain_seen {
+    uint32_t first_id;          /* ids first_id .. first_id + DRAIN_CHAIN: the prefills */
+    uint64_t pos[DRAIN_CHAIN + 1];
+    int answered;
+    uint32_t health_id;         /* a health request whose answer we wait for */
+    int health_status;          /* its status, -1 until answered */
+    uint32_t refused_id;
+    bool refused;
+    int goodbyes;
+} drain_seen;
+
+/* Reads one frame and records it; false at EOF. */
+static bool drain_read(dh_client *c, drain_seen *v)
+{
+    if (!dh_recv(c))
+        return false;
+    kp_error remote, e;
+    if (c->msg.kind == KP_MSG_NOTIFICATION) {
+        assert_int_equal(kp_goodbye_decode(&c->msg, &remote, &e), KP_OK);
+        assert_int_equal(remote.code, KP_E_SHUTTING_DOWN);
+        v->goodbyes++;
+        return true;
+    }
+    assert_int_equal(v->goodbyes, 0); /* nothing after the goodbye */
+    uint32_t id = c->msg.id;
+    if (id == v->refused_id) {
+        assert_int_equal(kp_response_error_decode(&c->msg, &remote, &e), KP_OK);
+        assert_int_equal(remote.code, KP_E_SHUTTING_DOWN);
+        v->refused = true;
+        return true;
+    }
+    assert_null(c->msg.error);
+    if (id == v->health_id) {
+        kp_health_result hr;
+        assert_int_equal(kp_health_result_decode(&c->msg, &hr, NULL), KP_OK);
+        v->health_status = (int)hr.status;
+        return true;
+    }
+    assert_true(id >= v->first_id && id <= v->first_id + DRAIN_CHAIN);
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.len = 2000;
+    kp_prefill_params req = {"L", &q, 1};
+    kp_prefill_result res;
+    assert_int_equal(kp_prefill_result_decode(&c->msg, &c->session, &req, &res, NULL), KP_OK);
+    v->pos[id - v->first_id] = res.seqs[0].pos;
+    v->answered++;
+    return true;
+}
+
+/* Sends health and reads until its answer; returns its status. */
+static int drain_health(dh_client *c, drain_seen *v)
+{
+    v->health_id = dh_id(c);
+    v->health_status = -1;
+    send_simple(c, v->health_id, KP_METHOD_HEALTH);
+    while (v->health_status < 0)
+        assert_true(drain_read(c, v));
+    return v->health_status;
+}
+
+/* SIGTERM: admitted work finishes and is answered, new work is refused, a
+ * goodbye closes every connection, and kdad exits 0. */
+static void test_sigterm_drains(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq s;
+    test_rng r;
+    drain_seen v;
+    memset(&v, 0, sizeof(v));
+    start(&d, NULL);
+    rng_seed(&r, 9);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&s, &r, 2000);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_register_layer(&c, "L", &l);
+    uint64_t a = dh_alloc(&c), b = dh_alloc(&c);
+    /* A chain on one slot runs one request at a time: the drain takes a while. */
+    v.first_id = dh_send_prefill(&c, "L", b, &s, 0);
+    for (int i = 0; i < DRAIN_CHAIN; i++)
+        dh_send_prefill(&c, "L", a, &s, 2000 * i);
+    v.refused_id = UINT32_MAX;
+    assert_int_equal(drain_health(&c, &v), KP_HEALTH_OK); /* all admitted by now */
+
+    kill(d.pid, SIGTERM);
+    while (drain_health(&c, &v) != KP_HEALTH_DRAINING)
+        usleep(2000);
+    assert_true(v.answered < DRAIN_CHAIN + 1); /* (the test needs work left to drain) */
+    v.refused_id = send_alloc(&c, 1, true);
+    while (drain_read(&c, &v))
+        ;
+    assert_int_equal(v.answered, DRAIN_CHAIN + 1);
+    assert_int_equal(v.pos[0], 2000);
+    for (int i = 1; i <= DRAIN_CHAIN; i++)
+        assert_int_equal(v.pos[i], 2000 * i);
+    assert_true(v.refused);
+    assert_int_equal(v.goodbyes, 1);
+    dh_seq_free(&s);
+    dh_close(&c);
+    dh_expect_exit(&d, 0); /* it exits by itself after the drain */
+}
+
+static void write_layer_file(const char *path, const dh_layer *l, const char *a_name)
+{
+    st_writer *w = st_writer_new();
+    const int64_t a_shape[1] = {DH_HEADS}, dt_shape[2] = {DH_HEADS, 128};
+    char err[256];
+    assert_int_equal(st_writer_add(w, a_name, ST_F32, 1, a_shape, l->A_log), 0);
+    assert_int_equal(st_writer_add(w, "dt_bias", ST_F32, 2, dt_shape, l->dt_bias), 0);
+    if (st_writer_write(w, path, err, sizeof(err)) != 0)
+        fail_msg("writing %s: %s", path, err);
+    st_writer_free(w);
+}
+
+static kp_layer_list_result list_layers(dh_client *c)
+{
+    uint32_t id = dh_id(c);
+    send_simple(c, id, KP_METHOD_LAYER_LIST);
+    dh_expect_result(c, id);
+    kp_layer_list_result r;
+    assert_int_equal(kp_layer_list_result_decode(&c->msg, &r, NULL), KP_OK);
+    return r;
+}
+
+static bool has_layer(const kp_layer_list_result *r, const char *name)
+{
+    for (uint32_t i = 0; i < r->nlayers; i++) {
+        if (strcmp(r->layers[i].name, name) == 0)
+            return true;
+    }
+    return false;
+}
+
+/* Layers from the config (relative to its folder), and SIGHUP reloading them. */
+static void test_config_layers_and_reload(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l, m;
+    dh_seq s;
+    test_rng r;
+    rng_seed(&r, 10);
+    dh_layer_make(&l, &r);
+    dh_layer_make(&m, &r);
+    l.lower_bound = -3.0f;
+    dh_seq_make(&s, &r, 90);
+    /* The layer file must exist before the daemon reads its config. */
+    char dir[] = "/tmp/kdad-layers-XXXXXX", lpath[96], mpath[96];
+    assert_non_null(mkdtemp(dir));
+    snprintf(lpath, sizeof(lpath), "%s/l.safetensors", dir);
+    snprintf(mpath, sizeof(mpath), "%s/m.safetensors", dir);
+    write_layer_file(lpath, &l, "A_log");
+    write_layer_file(mpath, &m, "my_a_log");
+    char yaml[1024];
+    snprintf(yaml, sizeof(yaml), "%slayers:\n  - name: cfg.L\n    file: %s\n"
+             "    lower_bound: -3\n", base_yaml, lpath);
+    if (dh_start(&d, yaml) == 77)
+        skip();
+
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    kp_layer_list_result ll = list_layers(&c);
+    assert_int_equal(ll.nlayers, 1);
+    assert_string_equal(ll.layers[0].name, "cfg.L");
+    assert_int_equal(ll.layers[0].source, KP_LAYER_SOURCE_CONFIG);
+    assert_true(ll.layers[0].lower_bound == -3.0f);
+    kp_layer_drop_params dp = {"cfg.L"};
+    uint32_t id = dh_id(&c);
+    assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_error(&c, id, KP_E_PERMISSION_DENIED, "configuration");
+    uint64_t slot = dh_alloc(&c);
+    uint16_t *out = malloc(DH_TOKEN_BYTES(90));
+    id = dh_send_prefill(&c, "cfg.L", slot, &s, 0);
+    dh_recv_prefill(&c, id, &s, out);
+    check_oracle(&c, &l, slot, &s, out); /* the weights are the file's */
+
+    /* reload: cfg.L goes, cfg.M (with a custom tensor name) comes */
+    snprintf(yaml, sizeof(yaml), "%slayers:\n  - name: cfg.M\n    file: m.safetensors\n"
+             "    A_log: my_a_log\n    lower_bound: -5\n", base_yaml);
+    char moved[160];
+    snprintf(moved, sizeof(moved), "%s/m.safetensors", d.dir); /* relative to the config */
+    assert_int_equal(rename(mpath, moved), 0);
+    dh_write_config(&d, yaml);
+    kill(d.pid, SIGHUP);
+    bool reloaded = false;
+    for (int tries = 0; tries < 250 && !reloaded; tries++) {
+        ll = list_layers(&c);
+        reloaded = has_layer(&ll, "cfg.M") && !has_layer(&ll, "cfg.L");
+        if (!reloaded)
+            usleep(20000);
+    }
+    assert_true(reloaded);
+    slot = dh_alloc(&c);
+    id = dh_send_prefill(&c, "cfg.M", slot, &s, 0);
+    dh_recv_prefill(&c, id, &s, out);
+    check_oracle(&c, &m, slot, &s, out);
+
+    /* a broken file changes nothing, and kdad keeps serving */
+    dh_write_config(&d, "heads: 0\n");
+    kill(d.pid, SIGHUP);
+    char *log = NULL;
+    for (int tries = 0; tries < 250; tries++) {
+        free(log);
+        log = dh_log(&d);
+        if (strstr(log, "reload failed"))
+            break;
+        usleep(20000);
+    }
+    assert_non_null(strstr(log, "reload failed"));
+    assert_non_null(strstr(log, "kdad.yaml:1:8: heads: 0 is outside [1, 128]"));
+    free(log);
+    ll = list_layers(&c);
+    assert_true(has_layer(&ll, "cfg.M"));
+
+    free(out);
+    dh_seq_free(&s);
+    dh_close(&c);
+    unlink(lpath);
+    rmdir(dir);
+    unlink(moved);
+    dh_stop(&d);
+}
+
+/* Runs kdad with args; returns its exit code, with stdout+stderr in out. */
+static int run_kdad(char *out, size_t size, char *const args[])
+{
+    char exe[512], log[] = "/tmp/kdad-cli-XXXXXX";
+    snprintf(exe, sizeof(exe), "%s/daemon/kdad", KDAD_BUILD_DIR);
+    int fd = mkstemp(log);
+    assert_true(fd >= 0);
+    char *argv[8] = {exe};
+    for (int i = 0; args[i] && i < 6; i++)
+        argv[i + 1] = args[i];
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fd, 1);
+    posix_spawn_file_actions_adddup2(&fa, fd, 2);
+    pid_t pid;
+    extern char **environ;
+    assert_int_equal(posix_spawn(&pid, exe, &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    ssize_t n = pread(fd, out, size - 1, 0);
+    out[n > 0 ? n : 0] = '\0';
+    close(fd);
+    unlink(log);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void test_check_config_cli(void **unused)
+{
+    char path[] = "/tmp/kdad-check-XXXXXX", out[4096];
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    const char good[] = "heads: 8\nlimits:\n  max_frame_bytes: 1MiB\n  max_inline_bytes: 512KiB\n"
+                        "  max_inflight_bytes: 1MiB\nclients:\n  output_hard_limit: 2MiB\n"
+                        "  output_soft_limit: 1MiB\n";
+    assert_int_equal(pwrite(fd, good, sizeof(good) - 1, 0), (ssize_t)sizeof(good) - 1);
+    char *check[] = {"--check-config", path, NULL};
+    assert_int_equal(run_kdad(out, sizeof(out), check), 0);
+    assert_non_null(strstr(out, ": ok"));
+    assert_non_null(strstr(out, "8 heads"));
+
+    const char bad[] = "heads: 8\nslots: lots\n";
+    assert_int_equal(ftruncate(fd, 0), 0);
+    assert_int_equal(pwrite(fd, bad, sizeof(bad) - 1, 0), (ssize_t)sizeof(bad) - 1);
+    assert_int_equal(run_kdad(out, sizeof(out), check), 2);
+    char want[160];
+    snprintf(want, sizeof(want), "%s:2:8: slots: \"lots\" is not a non-negative integer", path);
+    if (!strstr(out, want))
+        fail_msg("expected \"%s\" in: %s", want, out);
+
+    char *flag[] = {"--check-config", path, "--heads", "0", NULL};
+    assert_int_equal(ftruncate(fd, 0), 0);
+    assert_int_equal(run_kdad(out, sizeof(out), flag), 2);
+    assert_non_null(strstr(out, "--heads: 0 is outside [1, 128]"));
+    char *junk[] = {"--bogus", NULL};
+    assert_int_equal(run_kdad(out, sizeof(out), junk), 2);
+    assert_non_null(strstr(out, "usage: kdad"));
+    close(fd);
+    unlink(path);
+}
+
+/* The cuda build of this suite exits 77 (skipped) without a usable GPU. */
+static int backend_available(void)
+{
+    dh_daemon d;
+    int rc = dh_start(&d, base_yaml);
+    if (rc == 77)
+        return 77;
+    dh_stop(&d);
+    return 0;
+}
+
+int main(void)
+{
+    if (backend_available() == 77)
+        return 77;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_hello_and_layers, dh_teardown),
+        cmocka_unit_test_teardown(test_concurrent_clients_match_oracle, dh_teardown),
+        cmocka_unit_test_teardown(test_multi_sequence_request, dh_teardown),
+        cmocka_unit_test_teardown(test_chunked_continuation, dh_teardown),
+        cmocka_unit_test_teardown(test_fork_snapshot_restore, dh_teardown),
+        cmocka_unit_test_teardown(test_handles_positions_and_quotas, dh_teardown),
+        cmocka_unit_test_teardown(test_disconnect_mid_request, dh_teardown),
+        cmocka_unit_test_teardown(test_malformed_frames, dh_teardown),
+        cmocka_unit_test_teardown(test_sigterm_drains, dh_teardown),
+        cmocka_unit_test_teardown(test_config_layers_and_reload, dh_teardown),
+        cmocka_unit_test_teardown(test_check_config_cli, dh_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
