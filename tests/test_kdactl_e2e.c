@@ -436,6 +436,46 @@ static void test_other_protocol(void **state)
     assert_int_equal(fake_stop(s), 0);
 }
 
+static void script_silent(fake_conn *fc, void *arg)
+{
+    fake_read(fc);
+    fake_wait_eof(fc);
+}
+
+/* --timeout gives up on a daemon that never answers. */
+static void test_timeout(void **state)
+{
+    fake_server *s = fake_start(script_silent, NULL);
+    cmd_result r = kdactl(fake_path(s), "--timeout", "0.3", "health", NULL);
+    expect_exit(&r, 7);
+    expect_text(r.err, "no answer from the daemon within 300 ms");
+    cmd_free(&r);
+    assert_int_equal(fake_stop(s), 0);
+}
+
+/* On a terminal, a large transfer draws a progress bar on stderr (and
+ * erases it); the result still prints. */
+static void test_progress_bar(void **state)
+{
+    char line[512];
+    snprintf(line, sizeof(line), "%s --socket %s prefill --random --tokens 8192 --heads 4",
+             build_path("client/kdactl"), S);
+    char *argv[] = {"/usr/bin/script", "-qec", line, "/dev/null", NULL};
+    cmd_result r = cmd_run(argv);
+    expect_exit(&r, 0);
+    expect_text(r.out, "\rprefill [");
+    expect_text(r.out, "B/s");
+    expect_text(r.out, "% ");
+    expect_text(r.out, "\r\033[K");
+    expect_text(r.out, "prefill: 8192 tokens x 4 heads");
+    cmd_free(&r);
+    /* Without a terminal: no bar. */
+    r = kdactl(S, "prefill", "--random", "--tokens", "8192", "--heads", "4", NULL);
+    expect_exit(&r, 0);
+    assert_null(strstr(r.err, "prefill ["));
+    cmd_free(&r);
+}
+
 /* A daemon that dies under load: kdactl reports a lost connection (7). */
 static void test_daemon_dies(void **state)
 {
@@ -496,6 +536,8 @@ int main(void)
         cmocka_unit_test(test_examples),
         cmocka_unit_test(test_not_running),
         cmocka_unit_test(test_other_protocol),
+        cmocka_unit_test(test_timeout),
+        cmocka_unit_test(test_progress_bar),
         cmocka_unit_test(test_daemon_dies),
         cmocka_unit_test(test_usage_and_help),
     };
