@@ -106,7 +106,7 @@ static int create_socket(kd_server *s, const kd_config *cfg, char *err, size_t e
                  sizeof(sa.sun_path) - 1);
         return -1;
     }
-    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+    memcpy(sa.sun_path, path, strlen(path) + 1); /* the length was checked above */
     gid_t gid = (gid_t)-1;
     if (cfg->socket_group[0] && lookup_group(cfg->socket_group, &gid, err, errlen))
         return -1;
@@ -126,7 +126,7 @@ static int create_socket(kd_server *s, const kd_config *cfg, char *err, size_t e
         close(fd);
         return -1;
     }
-    snprintf(s->path, sizeof(s->path), "%s", path);
+    memcpy(s->path, sa.sun_path, sizeof(s->path));
     if ((gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) != 0) ||
         chmod(path, (mode_t)cfg->socket_mode) != 0 || listen(fd, LISTEN_BACKLOG) != 0) {
         snprintf(err, errlen, "setting up %s: %s", path, strerror(errno));

@@ -330,17 +330,14 @@ void dh_send(dh_client *c)
     free(frame);
 }
 
-void dh_send_fd(dh_client *c, int fd)
+void dh_write_fd(dh_client *c, const void *bytes, size_t n, int fd)
 {
-    uint8_t *frame;
-    size_t len;
-    assert_int_equal(kp_writer_flatten(&c->w, &frame, &len, NULL), KP_OK);
     union {
         struct cmsghdr align;
         char buf[CMSG_SPACE(sizeof(int))];
     } control;
     memset(&control, 0, sizeof(control));
-    struct iovec v = {frame, len};
+    struct iovec v = {(void *)bytes, n};
     struct msghdr m = {.msg_iov = &v, .msg_iovlen = 1, .msg_control = control.buf,
                        .msg_controllen = sizeof(control.buf)};
     struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
@@ -350,8 +347,16 @@ void dh_send_fd(dh_client *c, int fd)
     memcpy(CMSG_DATA(cm), &fd, sizeof(int));
     ssize_t w = sendmsg(c->fd, &m, MSG_NOSIGNAL);
     assert_true(w > 0);
-    if ((size_t)w < len)
-        dh_write(c, frame + w, len - (size_t)w);
+    if ((size_t)w < n)
+        dh_write(c, (const uint8_t *)bytes + w, n - (size_t)w);
+}
+
+void dh_send_fd(dh_client *c, int fd)
+{
+    uint8_t *frame;
+    size_t len;
+    assert_int_equal(kp_writer_flatten(&c->w, &frame, &len, NULL), KP_OK);
+    dh_write_fd(c, frame, len, fd);
     free(frame);
 }
 

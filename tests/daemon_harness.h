@@ -106,6 +106,8 @@ uint32_t dh_id(dh_client *c);
 void dh_write(dh_client *c, const void *bytes, size_t n);
 void dh_send(dh_client *c);
 void dh_send_fd(dh_client *c, int fd);
+/* Writes raw bytes, passing fd with the first of them. */
+void dh_write_fd(dh_client *c, const void *bytes, size_t n, int fd);
 
 /* Reads the next frame into c->msg; false at EOF.  Waits at most 120 s. */
 bool dh_recv(dh_client *c);

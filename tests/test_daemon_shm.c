@@ -1,0 +1,413 @@
+/*
+ * test_daemon_shm.c - kdad's shared-memory regions end to end: a sealed
+ * memfd registered over SCM_RIGHTS, tensors read from and outputs written
+ * into it (bit-identical to the inline path), hostile offsets and sizes,
+ * refused descriptors, release and lifetime.  Built twice like test_daemon.
+ */
+#define _GNU_SOURCE
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "daemon_harness.h"
+
+static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n"
+                           "limits:\n  max_regions_per_client: 3\n";
+
+static void start(dh_daemon *d)
+{
+    if (dh_start(d, yaml) == 77)
+        skip();
+}
+
+static int memfd(size_t size, bool seal)
+{
+    int fd = memfd_create("kdad-test", MFD_ALLOW_SEALING | MFD_CLOEXEC);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, (off_t)size), 0);
+    if (seal)
+        assert_int_equal(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    return fd;
+}
+
+static uint32_t send_register(dh_client *c, uint64_t size, int fd)
+{
+    kp_region_register_shm_params p = {size};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_region_register_shm_params_encode(&c->w, id, &p, NULL), KP_OK);
+    if (fd >= 0)
+        dh_send_fd(c, fd);
+    else
+        dh_send(c);
+    return id;
+}
+
+static uint32_t register_region(dh_client *c, int fd, uint64_t size)
+{
+    uint32_t id = send_register(c, size, fd);
+    dh_expect_result(c, id);
+    kp_region_register_result r;
+    assert_int_equal(kp_region_register_result_decode(&c->msg, &r, NULL), KP_OK);
+    assert_true(r.region >= 1);
+    return r.region;
+}
+
+static uint32_t send_release(dh_client *c, uint32_t region)
+{
+    kp_region_release_params p = {region};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_region_release_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    return id;
+}
+
+/* A region laid out as q, k, v, g, beta, out for `len` tokens, 16-aligned. */
+typedef struct layout {
+    uint64_t off[KP_PREFILL_TENSORS];
+    uint64_t size;
+} layout;
+
+static layout plan(uint32_t len, uint64_t base)
+{
+    layout l;
+    uint64_t at = base;
+    for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+        l.off[t] = at;
+        at += (t == KP_TENSOR_BETA ? DH_BETA_BYTES(len) : DH_TOKEN_BYTES(len));
+        at = (at + 15) / 16 * 16;
+    }
+    l.size = at;
+    return l;
+}
+
+static void fill(uint8_t *map, const layout *l, const dh_seq *s)
+{
+    const uint16_t *src[5] = {s->q, s->k, s->v, s->g, s->beta};
+    for (int t = 0; t < 5; t++)
+        memcpy(map + l->off[t], src[t],
+               t == KP_TENSOR_BETA ? DH_BETA_BYTES(s->len) : DH_TOKEN_BYTES(s->len));
+}
+
+static kp_prefill_seq region_seq(uint64_t slot, uint32_t region, const layout *l, uint32_t len,
+                                 bool out)
+{
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.slot = slot;
+    q.len = len;
+    for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+        if (t == KP_TENSOR_OUT && !out)
+            continue;
+        q.tensors[t] = kp_ref_region(region, l->off[t], t == KP_TENSOR_BETA ? DH_BETA_BYTES(len)
+                                                                            : DH_TOKEN_BYTES(len));
+    }
+    return q;
+}
+
+static uint32_t send_prefill(dh_client *c, const kp_prefill_seq *q)
+{
+    kp_prefill_params p = {"L", q, 1};
+    uint32_t id = dh_id(c);
+    kp_error e;
+    if (kp_prefill_params_encode(&c->w, id, &p, &e) != KP_OK)
+        fail_msg("%s", e.message);
+    dh_send(c);
+    return id;
+}
+
+static void setup_client(dh_client *c, const dh_daemon *d, dh_layer *l, test_rng *r)
+{
+    dh_connect(c, d);
+    dh_hello(c);
+    dh_layer_make(l, r);
+    dh_register_layer(c, "L", l);
+}
+
+/* ---------------------------------------------------------------------- */
+
+static void test_shm_matches_inline(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq s;
+    test_rng r;
+    start(&d);
+    rng_seed(&r, 21);
+    setup_client(&c, &d, &l, &r);
+    dh_seq_make(&s, &r, 77);
+    uint64_t a = dh_alloc(&c), b = dh_alloc(&c);
+
+    layout lay = plan(77, 0);
+    uint64_t state_off = (lay.size + 15) / 16 * 16;
+    uint64_t size = state_off + 2 * DH_STATE_ELEMS * 4;
+    int fd = memfd(size, true);
+    uint8_t *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    assert_true(map != MAP_FAILED);
+    fill(map, &lay, &s);
+    memset(map + lay.off[KP_TENSOR_OUT], 0xff, DH_TOKEN_BYTES(77)); /* poison */
+    uint32_t region = register_region(&c, fd, size);
+    close(fd); /* the daemon keeps its own mapping */
+
+    kp_prefill_seq q = region_seq(a, region, &lay, 77, true);
+    uint32_t id = send_prefill(&c, &q);
+    dh_expect_result(&c, id);
+    kp_prefill_params req = {"L", &q, 1};
+    kp_prefill_result res;
+    assert_int_equal(kp_prefill_result_decode(&c.msg, &c.session, &req, &res, NULL), KP_OK);
+    assert_int_equal(res.seqs[0].pos, 77);
+    assert_int_equal(res.seqs[0].out.kind, KP_REF_ABSENT); /* it is in the region */
+
+    uint16_t *inline_out = malloc(DH_TOKEN_BYTES(77));
+    id = dh_send_prefill(&c, "L", b, &s, 0);
+    dh_recv_prefill(&c, id, &s, inline_out);
+    assert_memory_equal(map + lay.off[KP_TENSOR_OUT], inline_out, DH_TOKEN_BYTES(77));
+
+    /* snapshot into the region, restore from it into a third slot */
+    kp_slot_read_params rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.slot = a;
+    rp.has_dtype = true;
+    rp.dtype = KP_DTYPE_F32;
+    rp.out = kp_ref_region(region, state_off, DH_STATE_ELEMS * 4);
+    id = dh_id(&c);
+    assert_int_equal(kp_slot_read_params_encode(&c.w, id, &rp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    float *st = malloc(DH_STATE_ELEMS * 4);
+    dh_read_state(&c, b, st);
+    assert_memory_equal(map + state_off, st, DH_STATE_ELEMS * 4);
+    uint64_t w = dh_alloc(&c);
+    kp_slot_write_params wp = {w, 77, KP_DTYPE_F32,
+                               kp_ref_region(region, state_off, DH_STATE_ELEMS * 4)};
+    id = dh_id(&c);
+    assert_int_equal(kp_slot_write_params_encode(&c.w, id, &wp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    float *back = malloc(DH_STATE_ELEMS * 4);
+    assert_int_equal(dh_read_state(&c, w, back), 77);
+    assert_memory_equal(back, st, DH_STATE_ELEMS * 4);
+
+    kp_stats_result sr;
+    dh_stats(&c, &sr);
+    assert_int_equal(sr.regions, 1);
+    assert_true(sr.bytes_in[KP_TRANSPORT_ID_SHM] >= 4 * DH_TOKEN_BYTES(77) + DH_BETA_BYTES(77));
+    assert_true(sr.bytes_out[KP_TRANSPORT_ID_SHM] >= DH_TOKEN_BYTES(77) + DH_STATE_ELEMS * 4);
+
+    free(st);
+    free(back);
+    free(inline_out);
+    munmap(map, size);
+    dh_seq_free(&s);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+static void test_shm_hostile_references(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    test_rng r;
+    start(&d);
+    rng_seed(&r, 22);
+    setup_client(&c, &d, &l, &r);
+    uint64_t a = dh_alloc(&c);
+    layout lay = plan(10, 0);
+    int fd = memfd(lay.size, true);
+    uint32_t region = register_region(&c, fd, lay.size);
+    close(fd);
+
+    kp_prefill_seq q = region_seq(a, region, &lay, 10, true);
+    q.k.offset = 8;
+    uint32_t id = send_prefill(&c, &q);
+    dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "seqs[0].k.offset: 8 is not a multiple of 16");
+
+    q = region_seq(a, region, &lay, 10, true);
+    q.v.offset = lay.size; /* just past the end: overlaps nothing */
+    id = send_prefill(&c, &q);
+    dh_expect_error(&c, id, KP_E_REGION_BOUNDS, "seqs[0].v: bytes");
+
+    q = region_seq(a, region, &lay, 10, true);
+    q.g.offset = UINT64_MAX - 15;
+    id = send_prefill(&c, &q);
+    dh_expect_error(&c, id, KP_E_REGION_BOUNDS, "overflows");
+
+    q = region_seq(a, region, &lay, 10, true);
+    q.beta.region = region + 7;
+    id = send_prefill(&c, &q);
+    dh_expect_error(&c, id, KP_E_REGION_INVALID, "is not registered");
+
+    q = region_seq(a, region, &lay, 10, true);
+    q.out.offset = lay.off[KP_TENSOR_Q];
+    id = send_prefill(&c, &q);
+    dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "overlaps");
+
+    /* none of it touched the slot, and a good request still runs */
+    q = region_seq(a, region, &lay, 10, true);
+    id = send_prefill(&c, &q);
+    dh_expect_result(&c, id);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+static void test_shm_registration_refused(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    start(&d);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+
+    int fd = memfd(4096, false);
+    uint32_t id = send_register(&c, 4096, fd);
+    dh_expect_error(&c, id, KP_E_REGION_INVALID, "F_SEAL_SHRINK");
+    close(fd);
+    fd = memfd(4096, true);
+    id = send_register(&c, 8192, fd);
+    dh_expect_error(&c, id, KP_E_REGION_INVALID, "holds 4096");
+    close(fd);
+    id = send_register(&c, 4096, -1);
+    dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "no file descriptor arrived");
+    int pipefd[2];
+    assert_int_equal(pipe(pipefd), 0);
+    id = send_register(&c, 4096, pipefd[0]);
+    dh_expect_error(&c, id, KP_E_REGION_INVALID, "not a memfd");
+    close(pipefd[0]);
+    close(pipefd[1]);
+
+    /* A frame that claims a descriptor takes it even when its params are bad:
+     * [0, 77, "region.register_shm", {"x": 1}] with a memfd, then a good
+     * frame without one finds the queue empty. */
+    static const uint8_t bad[] = {0, 0, 0, 27, 0x94, 0, 77, 0xb3, 'r', 'e', 'g', 'i', 'o', 'n',
+                                  '.', 'r', 'e', 'g', 'i', 's', 't', 'e', 'r', '_', 's', 'h',
+                                  'm', 0x81, 0xa1, 'x', 1};
+    fd = memfd(4096, true);
+    dh_write_fd(&c, bad, sizeof(bad), fd);
+    close(fd);
+    dh_expect_error(&c, 77, KP_E_INVALID_PARAMS, "unknown field \"x\"");
+    id = send_register(&c, 4096, -1);
+    dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "no file descriptor arrived");
+
+    /* max_regions_per_client: 3 */
+    for (int i = 0; i < 3; i++) {
+        fd = memfd(4096, true);
+        register_region(&c, fd, 4096);
+        close(fd);
+    }
+    fd = memfd(4096, true);
+    id = send_register(&c, 4096, fd);
+    dh_expect_error(&c, id, KP_E_QUOTA_EXCEEDED, "max_regions_per_client 3");
+    close(fd);
+
+    if (strcmp(DH_BACKEND, "cpu") == 0) {
+        static const uint8_t handle[KP_CUDA_IPC_HANDLE_BYTES] = {0};
+        kp_region_register_cuda_params cp = {4096, "GPU-0", KP_CUDA_HANDLE_IPC, handle};
+        id = dh_id(&c);
+        assert_int_equal(kp_region_register_cuda_params_encode(&c.w, id, &cp, NULL), KP_OK);
+        dh_send(&c);
+        dh_expect_error(&c, id, KP_E_NOT_SUPPORTED, "cpu backend");
+    }
+    dh_close(&c);
+
+    /* unclaimed descriptors pile up to 4; the fifth ends the connection */
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    for (int i = 0; i < 5; i++) {
+        fd = memfd(16, true);
+        id = dh_id(&c);
+        assert_int_equal(kp_health_params_encode(&c.w, id, NULL), KP_OK);
+        dh_send_fd(&c, fd);
+        close(fd);
+        if (i < 4)
+            dh_expect_result(&c, id);
+    }
+    dh_expect_goodbye(&c, KP_E_PROTOCOL, "more than 4");
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+static void test_shm_release_and_lifetime(void **unused)
+{
+    dh_daemon d;
+    dh_client c, watcher;
+    dh_layer l;
+    dh_seq s;
+    test_rng r;
+    start(&d);
+    rng_seed(&r, 23);
+    setup_client(&c, &d, &l, &r);
+    dh_seq_make(&s, &r, 3000);
+    uint64_t a = dh_alloc(&c);
+    layout lay = plan(3000, 0);
+    int fd = memfd(lay.size, true);
+    uint8_t *map = mmap(NULL, lay.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    assert_true(map != MAP_FAILED);
+    fill(map, &lay, &s);
+    uint32_t region = register_region(&c, fd, lay.size);
+    close(fd);
+
+    /* released while a request uses it: the release is answered after it */
+    kp_prefill_seq q = region_seq(a, region, &lay, 3000, true);
+    uint32_t pid = send_prefill(&c, &q);
+    uint32_t rid = send_release(&c, region);
+    dh_expect_result(&c, pid);
+    dh_expect_result(&c, rid);
+    uint32_t id = send_prefill(&c, &q);
+    dh_expect_error(&c, id, KP_E_REGION_INVALID, "is not registered");
+    id = send_release(&c, region);
+    dh_expect_error(&c, id, KP_E_REGION_INVALID, "region: ");
+
+    /* a connection's regions die with it */
+    fd = memfd(4096, true);
+    register_region(&c, fd, 4096);
+    close(fd);
+    dh_connect(&watcher, &d);
+    dh_hello(&watcher);
+    kp_stats_result st;
+    dh_stats(&watcher, &st);
+    assert_int_equal(st.regions, 1);
+    dh_close(&c);
+    for (int tries = 0; tries < 250; tries++) {
+        dh_stats(&watcher, &st);
+        if (st.regions == 0)
+            break;
+        usleep(20000);
+    }
+    assert_int_equal(st.regions, 0);
+    munmap(map, lay.size);
+    dh_seq_free(&s);
+    dh_close(&watcher);
+    dh_stop(&d);
+}
+
+static int backend_available(void)
+{
+    dh_daemon d;
+    if (dh_start(&d, yaml) == 77)
+        return 77;
+    dh_stop(&d);
+    return 0;
+}
+
+int main(void)
+{
+    if (backend_available() == 77)
+        return 77;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_shm_matches_inline, dh_teardown),
+        cmocka_unit_test_teardown(test_shm_hostile_references, dh_teardown),
+        cmocka_unit_test_teardown(test_shm_registration_refused, dh_teardown),
+        cmocka_unit_test_teardown(test_shm_release_and_lifetime, dh_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
