@@ -351,7 +351,18 @@ static void test_bench(void **state)
         json_object_put(o);
         cmd_free(&r);
     }
-    cmd_result r = kdactl(S, "bench", "--duration", "1", "--dist", "uniform", "--tokens", "16",
+    /* The packed workload of the benchmarks, exactly (scaled down by 10). */
+    cmd_result r = kdactl(S, "--json", "bench", "--requests", "4", "--lengths",
+                          "130,55,205,96,27,306", "--transport", "shm", NULL);
+    expect_exit(&r, 0);
+    json_object *o = json_out(&r);
+    assert_int_equal(jint(o, "requests"), 4);
+    assert_int_equal(jint(o, "seqs_per_request"), 6);
+    assert_int_equal(jint(o, "tokens"), 4 * 819);
+    assert_string_equal(jstr(o, "dist"), "list");
+    json_object_put(o);
+    cmd_free(&r);
+    r = kdactl(S, "bench", "--duration", "1", "--dist", "uniform", "--tokens", "16",
                           "--depth", "3", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "0 failed");
@@ -363,7 +374,7 @@ static void test_bench(void **state)
     cmd_free(&r);
     /* bench leaves nothing behind */
     r = kdactl(S, "--json", "stats", NULL);
-    json_object *o = json_out(&r);
+    o = json_out(&r);
     assert_int_equal(jint(o, "regions"), 0);
     json_object_put(o);
     cmd_free(&r);
@@ -516,7 +527,8 @@ static void test_usage_and_help(void **state)
     cmd_free(&r);
     const char *bad[][4] = {{"frobnicate", NULL}, {"slot", NULL}, {"slot", "fork", NULL},
                             {"prefill", "--random", NULL}, {"bench", "--dist", "zipf", NULL},
-                            {"layer", "register", "x", NULL}, {"ping", "--count", "0", NULL}};
+                            {"layer", "register", "x", NULL}, {"ping", "--count", "0", NULL},
+                            {"bench", "--lengths", "5,x", NULL}};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         r = kdactl(S, bad[i][0], bad[i][1], bad[i][2], bad[i][3], NULL);
         if (r.status != 2)

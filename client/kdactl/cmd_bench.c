@@ -26,7 +26,8 @@
 static const char bench_help[] =
     "Usage: kdactl bench [--clients C] [--depth D] [--requests N | --duration SEC]\n"
     "                    [--tokens T] [--dist fixed|mixed|uniform] [--seqs S]\n"
-    "                    [--transport inline|shm|cuda-ipc] [--warmup W] [--seed X]\n"
+    "                    [--lengths L1,L2,...] [--transport inline|shm|cuda-ipc]\n"
+    "                    [--warmup W] [--seed X]\n"
     "\n"
     "Load generator: C connections each keep D prefill requests of S sequences in\n"
     "flight (every sequence on its own slot), until N requests completed (default 100)\n"
@@ -41,22 +42,27 @@ static const char bench_help[] =
     "  -l, --dist DIST        fixed: all T; uniform: U[1, 2T-1]; mixed: the packed\n"
     "                         workload [1300, 547, 2048, 963, 271, 3063] scaled to mean T\n"
     "  -S, --seqs S           sequences per request (default 1)\n"
+    "  -L, --lengths LIST     every request holds exactly these sequence lengths, e.g.\n"
+    "                         1300,547,2048,963,271,3063 (instead of --tokens, --dist\n"
+    "                         and --seqs)\n"
     "  -x, --transport MODE   inline (default), shm (memfd regions) or cuda-ipc (device\n"
     "                         memory; needs a CUDA build and the daemon's cuda backend)\n"
     "  -w, --warmup W         untimed requests per connection first (default 1)\n"
     "  -s, --seed X           seed of inputs and lengths (default 1)\n";
 
-typedef enum dist { DIST_FIXED, DIST_UNIFORM, DIST_MIXED } dist;
-static const char *const dist_names[] = {"fixed", "uniform", "mixed"};
+typedef enum dist { DIST_FIXED, DIST_UNIFORM, DIST_MIXED, DIST_LIST } dist;
+static const char *const dist_names[] = {"fixed", "uniform", "mixed", "list"};
 static const char *const transport_names[] = {"inline", "shm", "cuda-ipc"};
 static const uint32_t mixed_lengths[] = {1300, 547, 2048, 963, 271, 3063}; /* mean 1365.33 */
 #define NMIXED 6
+#define MAX_LENGTHS 256 /* entries of --lengths */
 
 typedef struct bench_opts {
     uint64_t clients, depth, requests, tokens, seqs, warmup, seed;
     double duration; /* 0: count mode */
     dist dist;
     bench_transport transport;
+    uint32_t lengths[MAX_LENGTHS]; /* DIST_LIST: the sequences of every request */
 } bench_opts;
 
 struct bench;
@@ -106,14 +112,23 @@ static uint32_t max_len(const bench_opts *o)
         return (uint32_t)(2 * o->tokens - 1);
     case DIST_MIXED:
         return (uint32_t)ceil(3063.0 * o->tokens * NMIXED / 8192.0);
+    case DIST_LIST: {
+        uint32_t m = 0;
+        for (uint64_t j = 0; j < o->seqs; j++)
+            m = o->lengths[j] > m ? o->lengths[j] : m;
+        return m;
+    }
     default:
         return (uint32_t)o->tokens;
     }
 }
 
-static uint32_t next_len(bench *b)
+/* The length of sequence j of the next request. */
+static uint32_t next_len(bench *b, uint32_t j)
 {
     switch (b->o.dist) {
+    case DIST_LIST:
+        return b->o.lengths[j];
     case DIST_UNIFORM:
         return 1 + (uint32_t)(rng_uniform(&b->rng) * (double)(2 * b->o.tokens - 1));
     case DIST_MIXED: {
@@ -142,7 +157,7 @@ static void fill_req(bench *b, bench_req *r)
         kdac_seq *s = &r->seqs[j];
         memset(s, 0, sizeof(*s));
         s->slot = r->bc->slots[r->slot * b->o.seqs + j];
-        s->len = next_len(b);
+        s->len = next_len(b, j);
         bench_seq_tensors(&b->data, &r->bc->reg, j, r->slot, s);
         r->tokens += s->len;
     }
@@ -366,6 +381,12 @@ static void report(bench *b, double seconds)
         json_object_object_add(o, "depth", json_u64(b->o.depth));
         json_object_object_add(o, "seqs_per_request", json_u64(b->o.seqs));
         json_object_object_add(o, "dist", json_object_new_string(dist_names[b->o.dist]));
+        if (b->o.dist == DIST_LIST) {
+            json_object *l = json_object_new_array();
+            for (uint64_t j = 0; j < b->o.seqs; j++)
+                json_object_array_add(l, json_u64(b->o.lengths[j]));
+            json_object_object_add(o, "lengths", l);
+        }
         json_object_object_add(o, "tokens_mean", json_u64(b->o.tokens));
         json_object_object_add(o, "requests", json_u64(ok));
         json_object_object_add(o, "errors", json_u64(b->errors));
@@ -412,11 +433,12 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         {"duration", required_argument, NULL, 'D'}, {"tokens", required_argument, NULL, 'T'},
         {"dist", required_argument, NULL, 'l'},     {"seqs", required_argument, NULL, 'S'},
         {"transport", required_argument, NULL, 'x'}, {"warmup", required_argument, NULL, 'w'},
-        {"seed", required_argument, NULL, 's'},     {NULL, 0, NULL, 0}};
-    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, DIST_FIXED, BENCH_INLINE};
-    bool has_requests = false;
+        {"seed", required_argument, NULL, 's'},     {"lengths", required_argument, NULL, 'L'},
+        {NULL, 0, NULL, 0}};
+    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, DIST_FIXED, BENCH_INLINE, {0}};
+    bool has_requests = false, has_shape = false;
     int opt;
-    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:", opts, NULL)) != -1) {
+    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:", opts, NULL)) != -1) {
         uint64_t *target = NULL, max = 0, min = 1;
         switch (opt) {
         case 'h':
@@ -425,8 +447,26 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         case 'c': target = &o->clients; max = 1024; break;
         case 'd': target = &o->depth; max = 1024; break;
         case 'n': target = &o->requests; max = UINT32_MAX; has_requests = true; break;
-        case 'T': target = &o->tokens; max = 1u << 20; break;
-        case 'S': target = &o->seqs; max = 4096; break;
+        case 'T': target = &o->tokens; max = 1u << 20; has_shape = true; break;
+        case 'S': target = &o->seqs; max = 4096; has_shape = true; break;
+        case 'L': {
+            char *list = optarg, *end;
+            uint64_t n = 0, total = 0;
+            for (char *tok = strtok_r(list, ",", &end); tok; tok = strtok_r(NULL, ",", &end)) {
+                uint64_t len;
+                if (n == MAX_LENGTHS || !parse_u64(tok, 1, 1u << 20, &len))
+                    return ctl_usage("bench", "--lengths: '%s' is not a length in [1, 2^20] "
+                                     "(at most %d of them)", tok, MAX_LENGTHS);
+                o->lengths[n++] = (uint32_t)len;
+                total += len;
+            }
+            if (n == 0)
+                return ctl_usage("bench", "--lengths: no length given");
+            o->seqs = n;
+            o->tokens = total / n;
+            o->dist = DIST_LIST;
+            break;
+        }
         case 'w': target = &o->warmup; max = 1000; min = 0; break;
         case 's': target = &o->seed; max = UINT64_MAX / 16; min = 0; break;
         case 'D':
@@ -441,6 +481,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
             if (k < 0)
                 return ctl_usage("bench", "--dist: '%s' is not fixed, mixed or uniform", optarg);
             o->dist = (dist)k;
+            has_shape = true;
             break;
         }
         case 'x': {
@@ -464,6 +505,8 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         return ctl_usage("bench", "unexpected argument '%s'", argv[optind]);
     if (has_requests && o->duration > 0)
         return ctl_usage("bench", "give --requests or --duration, not both");
+    if (o->dist == DIST_LIST && has_shape)
+        return ctl_usage("bench", "--lengths replaces --tokens, --seqs and --dist");
     return -1;
 }
 

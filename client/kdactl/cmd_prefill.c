@@ -330,7 +330,8 @@ static void print_summary(const run *r, const char *output)
                output, in->total_tokens, in->heads, in->nseqs, in->heads);
 }
 
-/* Steps 2-6 of the run (see the top of this file), on a connected client. */
+/* The run (see the top of this file) up to the final states, on a connected
+ * client; run_cleanup frees what it leaves. */
 static int run_steps(run *r, transport tr)
 {
     prefill_input *in = &r->in;
