@@ -1,0 +1,325 @@
+/*
+ * test_config.c - daemon/config.c: the built-in default, files on top of it,
+ * overrides, and every kind of bad value refused with FILE:LINE:COLUMN and a
+ * reason; daemon/layer.c's loading of config layers from safetensors files.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "layer.h"
+#include "safetensors.h"
+
+static char err[KD_CONFIG_ERR_MAX];
+
+/* Loads YAML text named "t.yaml" over the built-in default. */
+static int load(kd_config *c, const char *text)
+{
+    return kd_config_load_text(c, "t.yaml", text, strlen(text), err, sizeof(err));
+}
+
+/* The text must be refused with exactly this message. */
+static void refused(const char *text, const char *message)
+{
+    kd_config c;
+    if (load(&c, text) == 0) {
+        kd_config_free(&c);
+        fail_msg("accepted: %s", text);
+    }
+    if (strcmp(err, message) != 0)
+        fail_msg("for %s\n expected: %s\n got:      %s", text, message, err);
+}
+
+static void test_builtin_default(void **unused)
+{
+    kd_config c;
+    assert_int_equal(kd_config_load(&c, NULL, NULL, err, sizeof(err)), 0);
+    assert_int_equal(c.backend, KD_BACKEND_AUTO);
+    assert_int_equal(c.heads, 96);
+    assert_int_equal(c.slots, 256);
+    assert_int_equal(c.state_dtype, KP_DTYPE_F32);
+    assert_false(c.slots_persist);
+    assert_int_equal(c.socket_mode, 0660);
+    assert_string_equal(c.socket_path, "");
+    assert_int_equal(c.nallowed_uids + c.nallowed_gids, 0);
+    kp_limits def;
+    kp_limits_default(&def);
+    assert_int_equal(c.limits.max_frame_bytes, def.max_frame_bytes);
+    assert_int_equal(c.limits.max_inline_bytes, def.max_inline_bytes);
+    assert_int_equal(c.limits.max_batch_tokens, def.max_batch_tokens);
+    assert_int_equal(c.limits.max_batch_seqs, def.max_batch_seqs);
+    assert_int_equal(c.limits.max_seqs_per_request, def.max_seqs_per_request);
+    assert_int_equal(c.limits.max_slots_per_client, def.max_slots_per_client);
+    assert_int_equal(c.limits.max_regions_per_client, def.max_regions_per_client);
+    assert_int_equal(c.limits.max_inflight_requests, def.max_inflight_requests);
+    assert_int_equal(c.limits.max_inflight_bytes, def.max_inflight_bytes);
+    assert_int_equal(c.limits.max_layers, def.max_layers);
+    assert_int_equal(c.ngraph_buckets, 0);
+    assert_int_equal(c.max_queued_requests, 4096);
+    assert_int_equal(c.max_connections, 1024);
+    assert_int_equal(c.output_hard_limit, 1ull << 30);
+    assert_int_equal(c.output_soft_limit, 512ull << 20);
+    assert_true(c.transport_shm && c.transport_cuda_ipc);
+    assert_int_equal(c.nlayers, 0);
+    assert_int_equal(c.log_level, KD_LOG_INFO);
+    assert_string_equal(c.prometheus_file, "");
+    assert_int_equal(c.metrics_interval_ms, 10000);
+    assert_int_equal(c.drain_timeout_ms, 30000);
+    kd_config_free(&c);
+
+    /* config/kdad.yaml documents every key (each appears as "key:") */
+    static const char *const keys[] = {
+        "socket:", "path:", "mode:", "group:", "access:", "allowed_uids:", "allowed_gids:",
+        "backend:", "device:", "cpu_threads:", "heads:", "slots:", "state_dtype:",
+        "slots_persist:", "limits:", "max_frame_bytes:", "max_inline_bytes:",
+        "max_batch_tokens:", "max_batch_seqs:", "max_seqs_per_request:",
+        "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
+        "max_inflight_bytes:", "max_layers:", "batching:", "graph_buckets:",
+        "max_queued_requests:", "clients:", "max_connections:", "output_hard_limit:",
+        "output_soft_limit:", "output_soft_seconds:", "transports:", "shm:", "cuda_ipc:",
+        "layers:", "lower_bound:", "scale:", "A_log:", "dt_bias:", "file:", "log:", "level:",
+        "metrics:", "prometheus_file:", "interval_ms:", "drain_timeout_ms:"};
+    for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+        if (!strstr(kd_builtin_config, keys[i]))
+            fail_msg("config/kdad.yaml does not mention %s", keys[i]);
+    }
+}
+
+static void test_file_over_default(void **unused)
+{
+    kd_config c;
+    const char *text = "# a comment\n"
+                       "heads: 8\n"
+                       "state_dtype: bf16\n"
+                       "slots_persist: true\n"
+                       "socket:\n  path: /tmp/k.sock\n  mode: 0600\n"
+                       "access:\n  allowed_uids: [0, 1000]\n  allowed_gids: [27]\n"
+                       "limits:\n  max_frame_bytes: 64MiB\n  max_inline_bytes: 32MiB\n"
+                       "  max_batch_seqs: 300\n  max_seqs_per_request: 100\n"
+                       "batching:\n  graph_buckets: [1, 16, 512]\n"
+                       "clients:\n  output_hard_limit: 128MiB\n  output_soft_limit: 64MiB\n"
+                       "log:\n  level: debug\n";
+    if (load(&c, text) != 0)
+        fail_msg("%s", err);
+    assert_int_equal(c.heads, 8);
+    assert_int_equal(c.state_dtype, KP_DTYPE_BF16);
+    assert_true(c.slots_persist);
+    assert_string_equal(c.socket_path, "/tmp/k.sock");
+    assert_int_equal(c.socket_mode, 0600);
+    assert_int_equal(c.nallowed_uids, 2);
+    assert_int_equal(c.allowed_uids[1], 1000);
+    assert_int_equal(c.nallowed_gids, 1);
+    assert_int_equal(c.allowed_gids[0], 27);
+    assert_int_equal(c.limits.max_frame_bytes, 64u << 20);
+    assert_int_equal(c.limits.max_inline_bytes, 32u << 20);
+    assert_int_equal(c.limits.max_batch_seqs, 300);
+    assert_int_equal(c.ngraph_buckets, 3);
+    assert_int_equal(c.graph_buckets[2], 512);
+    assert_int_equal(c.log_level, KD_LOG_DEBUG);
+    /* untouched keys keep the default */
+    assert_int_equal(c.slots, 256);
+    assert_int_equal(c.limits.max_batch_tokens, 65536);
+    kd_config_free(&c);
+
+    /* an empty file (only comments) changes nothing */
+    assert_int_equal(load(&c, "# nothing\n"), 0);
+    assert_int_equal(c.heads, 96);
+    kd_config_free(&c);
+}
+
+static void test_bad_values_name_the_place(void **unused)
+{
+    refused("heads: 8\nfoo: 1\n", "t.yaml:2:1: unknown key \"foo\"");
+    refused("limits:\n  max_frame: 1\n", "t.yaml:2:3: unknown key \"limits.max_frame\"");
+    refused("heads: [1]\n", "t.yaml:1:8: heads: expected a scalar, got a list");
+    refused("limits: 5\n", "t.yaml:1:9: limits: expected a mapping, got a scalar");
+    refused("heads: 200\n", "t.yaml:1:8: heads: 200 is outside [1, 128]");
+    refused("heads: -1\n", "t.yaml:1:8: heads: \"-1\" is not a non-negative integer");
+    refused("backend: gpu\n", "t.yaml:1:10: backend: \"gpu\" is not one of: auto, cpu, cuda");
+    refused("log:\n  level: loud\n",
+            "t.yaml:2:10: log.level: \"loud\" is not one of: error, warning, notice, info, debug");
+    refused("heads: 8\nheads: 9\n", "t.yaml:2:1: key \"heads\" given twice (first at line 1)");
+    refused("limits:\n  max_frame_bytes: 12XB\n",
+            "t.yaml:2:20: limits.max_frame_bytes: \"12XB\" is not a size (bytes, or a number "
+            "with KiB, MiB or GiB)");
+    refused("socket:\n  mode: 0999\n",
+            "t.yaml:2:9: socket.mode: \"0999\" is not an octal permission mode like 0660");
+    refused("slots_persist: yes\n", "t.yaml:1:16: slots_persist: \"yes\" is not true or false");
+    refused("access:\n  allowed_uids: [0, x]\n",
+            "t.yaml:2:21: access.allowed_uids: \"x\" is not an integer in [0, 4294967294]");
+    /* whole-config rules point at the key that breaks them */
+    refused("limits:\n  max_inline_bytes: 300MiB\n",
+            "t.yaml:2:21: limits.max_inline_bytes: 314572800 must be in [1, max_frame_bytes "
+            "268435456]");
+    refused("clients:\n  output_hard_limit: 1MiB\n",
+            "t.yaml:2:22: clients.output_hard_limit: 1048576 is below limits.max_frame_bytes "
+            "+ 4: one response could never be sent");
+    refused("batching:\n  graph_buckets: [1, 4, 2]\n",
+            "t.yaml:2:18: batching.graph_buckets: buckets must be strictly increasing (2 after "
+            "4)");
+    refused("batching:\n  graph_buckets: [1, 2, 4]\n",
+            "t.yaml:2:18: batching.graph_buckets: the largest bucket 4 is below "
+            "limits.max_batch_seqs 256");
+    /* layers */
+    refused("layers:\n  - name: a\n    file: x.st\n",
+            "t.yaml:2:5: layers[0]: missing key \"lower_bound\"");
+    refused("layers:\n  - name: a b\n    file: x\n    lower_bound: -1\n",
+            "t.yaml:2:11: layers[0].name: \"a b\" must be 1..64 bytes of [A-Za-z0-9._:/-]");
+    refused("layers:\n  - name: a\n    file: x\n    lower_bound: 0\n",
+            "t.yaml:4:18: layers[0].lower_bound: \"0\" is not a number in [-5, 0)");
+    refused("layers:\n  - name: a\n    file: x\n    lower_bound: -1\n    colour: red\n",
+            "t.yaml:5:5: layers[0]: unknown key \"colour\" (known: name, file, A_log, dt_bias, "
+            "lower_bound, scale)");
+    refused("layers:\n  - {name: a, file: x, lower_bound: -1}\n"
+            "  - {name: a, file: y, lower_bound: -2}\n",
+            "t.yaml:3:5: layers: layer \"a\" is defined twice (first at line 2)");
+    /* YAML itself */
+    kd_config c;
+    assert_int_equal(load(&c, "heads: [\n"), -1);
+    assert_non_null(strstr(err, "t.yaml:2:1: YAML syntax:"));
+}
+
+static void test_overrides_and_files(void **unused)
+{
+    kd_config c;
+    kd_config_overrides ov = {.backend = "cpu", .heads = "12", .state_dtype = "bf16",
+                              .socket = "/tmp/o.sock", .slots = "9", .device = "1"};
+    assert_int_equal(kd_config_load(&c, NULL, &ov, err, sizeof(err)), 0);
+    assert_int_equal(c.backend, KD_BACKEND_CPU);
+    assert_int_equal(c.heads, 12);
+    assert_int_equal(c.slots, 9);
+    assert_int_equal(c.device, 1);
+    assert_int_equal(c.state_dtype, KP_DTYPE_BF16);
+    assert_string_equal(c.socket_path, "/tmp/o.sock");
+    kd_config_free(&c);
+
+    kd_config_overrides bad = {.heads = "0"};
+    assert_int_equal(kd_config_load(&c, NULL, &bad, err, sizeof(err)), -1);
+    assert_string_equal(err, "--heads: 0 is outside [1, 128]");
+    kd_config_overrides dtype = {.state_dtype = "f16"};
+    assert_int_equal(kd_config_load(&c, NULL, &dtype, err, sizeof(err)), -1);
+    assert_string_equal(err, "--state-dtype: \"f16\" is not one of: bf16, f32");
+
+    assert_int_equal(kd_config_load(&c, "/nonexistent/kdad.yaml", NULL, err, sizeof(err)), -1);
+    assert_string_equal(err, "/nonexistent/kdad.yaml: cannot open: No such file or directory");
+
+    /* a real file: errors carry its path; overrides beat it */
+    char path[] = "/tmp/kdad-config-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    const char text[] = "heads: 16\nslots: 0\n";
+    assert_int_equal(write(fd, text, sizeof(text) - 1), (ssize_t)sizeof(text) - 1);
+    close(fd);
+    char want[128];
+    snprintf(want, sizeof(want), "%s:2:8: slots: 0 is outside [1, 16777216]", path);
+    assert_int_equal(kd_config_load(&c, path, NULL, err, sizeof(err)), -1);
+    assert_string_equal(err, want);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("heads: 16\nslots: 7\n", f);
+    fclose(f);
+    kd_config_overrides slots = {.slots = "5"};
+    assert_int_equal(kd_config_load(&c, path, &slots, err, sizeof(err)), 0);
+    assert_int_equal(c.heads, 16);
+    assert_int_equal(c.slots, 5);
+    kd_config_free(&c);
+    unlink(path);
+}
+
+static void test_default_socket_path(void **unused)
+{
+    kd_config c;
+    char buf[256];
+    assert_int_equal(kd_config_load(&c, NULL, NULL, err, sizeof(err)), 0);
+    setenv("XDG_RUNTIME_DIR", "/run/user/1000", 1);
+    assert_string_equal(kd_config_socket_path(&c, buf, sizeof(buf)), "/run/user/1000/kdad.sock");
+    unsetenv("XDG_RUNTIME_DIR");
+    assert_string_equal(kd_config_socket_path(&c, buf, sizeof(buf)), "/run/kdad/kdad.sock");
+    kd_config_free(&c);
+}
+
+static void write_weights(const char *path, int64_t heads, const char *a_name, float poison)
+{
+    float a[16], dt[16 * 128];
+    for (int i = 0; i < 16; i++)
+        a[i] = 0.5f;
+    for (int i = 0; i < 16 * 128; i++)
+        dt[i] = 0.25f;
+    dt[7] = poison;
+    const int64_t a_shape[1] = {heads}, dt_shape[2] = {heads, 128};
+    st_writer *w = st_writer_new();
+    assert_int_equal(st_writer_add(w, a_name, ST_F32, 1, a_shape, a), 0);
+    assert_int_equal(st_writer_add(w, "dt_bias", ST_F32, 2, dt_shape, dt), 0);
+    char e[256];
+    assert_int_equal(st_writer_write(w, path, e, sizeof(e)), 0);
+    st_writer_free(w);
+}
+
+static void test_layer_files(void **unused)
+{
+    char dir[] = "/tmp/kdad-layerconf-XXXXXX", path[128], yaml[512];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/w.safetensors", dir);
+    kd_config c;
+    float *a, *dt;
+
+    write_weights(path, 4, "alog", 0.25f);
+    snprintf(yaml, sizeof(yaml), "heads: 4\nlayers:\n  - name: L\n    file: %s\n"
+             "    A_log: alog\n    lower_bound: -2.5\n    scale: 0.5\n", path);
+    assert_int_equal(load(&c, yaml), 0);
+    assert_int_equal(c.nlayers, 1);
+    assert_string_equal(c.layers[0].a_log_tensor, "alog");
+    assert_string_equal(c.layers[0].dt_bias_tensor, "dt_bias"); /* the default name */
+    assert_true(c.layers[0].lower_bound == -2.5f && c.layers[0].scale == 0.5f);
+    if (kd_layer_conf_load(&c.layers[0], 0, 4, &a, &dt, err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    assert_true(a[3] == 0.5f && dt[4 * 128 - 1] == 0.25f);
+    free(a);
+    free(dt);
+    /* the wrong number of heads */
+    assert_int_equal(kd_layer_conf_load(&c.layers[0], 0, 8, &a, &dt, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "t.yaml:4:11: layers[0].file: "));
+    assert_non_null(strstr(err, "heads is 8"));
+    kd_config_free(&c);
+
+    /* a tensor that is not in the file, a NaN weight, a missing file */
+    snprintf(yaml, sizeof(yaml), "heads: 4\nlayers:\n  - name: L\n    file: %s\n"
+             "    lower_bound: -1\n", path);
+    assert_int_equal(load(&c, yaml), 0);
+    assert_int_equal(kd_layer_conf_load(&c.layers[0], 0, 4, &a, &dt, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "A_log"));
+    kd_config_free(&c);
+    write_weights(path, 4, "A_log", NAN);
+    assert_int_equal(load(&c, yaml), 0);
+    assert_int_equal(kd_layer_conf_load(&c.layers[0], 0, 4, &a, &dt, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "dt_bias[7] is nan: weights must be finite"));
+    kd_config_free(&c);
+    unlink(path);
+    assert_int_equal(load(&c, yaml), 0);
+    assert_int_equal(kd_layer_conf_load(&c.layers[0], 0, 4, &a, &dt, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "t.yaml:4:11: layers[0].file: "));
+    kd_config_free(&c);
+    rmdir(dir);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_builtin_default),
+        cmocka_unit_test(test_file_over_default),
+        cmocka_unit_test(test_bad_values_name_the_place),
+        cmocka_unit_test(test_overrides_and_files),
+        cmocka_unit_test(test_default_socket_path),
+        cmocka_unit_test(test_layer_files),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
