@@ -60,6 +60,10 @@
 extern "C" {
 #endif
 
+/* The shared library exports exactly the KDAC_EXPORT functions.  Programs
+ * linking the static library may define KDAC_STATIC (the CMake target
+ * kdaclient::kdaclient_static does) so that its functions stay private to
+ * the shared objects they are linked into. */
 #if defined(KDAC_STATIC)
 #define KDAC_EXPORT
 #else
