@@ -285,6 +285,17 @@ static void test_shm_registration_refused(void **unused)
     close(pipefd[0]);
     close(pipefd[1]);
 
+    /* CUDA memory: not on the cpu backend; on cuda, not from another GPU */
+    static const uint8_t handle[KP_CUDA_IPC_HANDLE_BYTES] = {0};
+    kp_region_register_cuda_params cp = {4096, "GPU-0", KP_CUDA_HANDLE_IPC, handle};
+    id = dh_id(&c);
+    assert_int_equal(kp_region_register_cuda_params_encode(&c.w, id, &cp, NULL), KP_OK);
+    dh_send(&c);
+    if (strcmp(DH_BACKEND, "cpu") == 0)
+        dh_expect_error(&c, id, KP_E_NOT_SUPPORTED, "cpu backend");
+    else
+        dh_expect_error(&c, id, KP_E_REGION_INVALID, "not this daemon's GPU");
+
     /* A frame that claims a descriptor takes it even when its params are bad:
      * [0, 77, "region.register_shm", {"x": 1}] with a memfd, then a good
      * frame without one finds the queue empty. */
@@ -309,14 +320,6 @@ static void test_shm_registration_refused(void **unused)
     dh_expect_error(&c, id, KP_E_QUOTA_EXCEEDED, "max_regions_per_client 3");
     close(fd);
 
-    if (strcmp(DH_BACKEND, "cpu") == 0) {
-        static const uint8_t handle[KP_CUDA_IPC_HANDLE_BYTES] = {0};
-        kp_region_register_cuda_params cp = {4096, "GPU-0", KP_CUDA_HANDLE_IPC, handle};
-        id = dh_id(&c);
-        assert_int_equal(kp_region_register_cuda_params_encode(&c.w, id, &cp, NULL), KP_OK);
-        dh_send(&c);
-        dh_expect_error(&c, id, KP_E_NOT_SUPPORTED, "cpu backend");
-    }
     dh_close(&c);
 
     /* unclaimed descriptors pile up to 4; the fifth ends the connection */
