@@ -8,8 +8,9 @@
  * operations (zero, copy, read out, write in).  Everything in one batch
  * names distinct slots (the scheduler guarantees it), so the backend may run
  * the operations and the launch in any order; it runs operations in list
- * order, which matters only for a ZERO that clears a slot a READ or COPY of
- * the same batch then reads.
+ * order, which matters only for a ZERO that clears a slot a READ of the same
+ * batch then reads.  A batch runs whole or not at all (KD_BATCH_FAILED),
+ * short of a device failure.
  *
  * Buffers (kd_buf) carry a host address, a device address, or both:
  *   inline tensors and inline outputs   host only (the cuda backend stages them)
@@ -70,7 +71,7 @@ typedef struct kd_slot_op {
 /* Outcome of a batch. */
 typedef enum kd_batch_status {
     KD_BATCH_OK = 0,
-    KD_BATCH_FAILED, /* the launch did not run; states untouched; requests get `code` */
+    KD_BATCH_FAILED, /* nothing in the batch ran; states untouched; requests get `code` */
     KD_BATCH_LOST,   /* the launch failed; the states of its sequences may be damaged */
     KD_BATCH_FATAL,  /* the device is unusable: every state is suspect, kdad must exit */
 } kd_batch_status;
@@ -78,7 +79,7 @@ typedef enum kd_batch_status {
 typedef struct kd_batch {
     kd_batch_seq *seqs;
     uint32_t nseqs;
-    kd_slot_op *ops;  /* run before the launch, in order; they fail only with KD_BATCH_FATAL */
+    kd_slot_op *ops;  /* run in order (before or after the launch: they name other slots) */
     uint32_t nops;
     /* Set by the backend before the completion callback. */
     kd_batch_status status;

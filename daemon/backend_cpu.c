@@ -56,19 +56,28 @@ static uint64_t input_bytes(int t, int64_t len, int32_t heads)
     return (uint64_t)len * (uint64_t)heads * (t == 4 ? 2 : 2 * KDA_HEAD_DIM);
 }
 
-/* Worker thread: the operations, then the launch. */
+/* Runs the launch (which checks everything before it writes) and, when it
+ * succeeded, the slot operations: so a failing batch changes nothing. */
+static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu);
+
+/* Worker thread. */
 static void cpu_work(uv_work_t *w)
 {
     cpu_backend *cb = w->data;
-    kd_backend *b = &cb->base;
     kd_batch *batch = cb->batch;
     batch->launch_ns = uv_hrtime();
-    for (uint32_t i = 0; i < batch->nops; i++)
-        run_op(b, &batch->ops[i]);
-    if (batch->nseqs == 0) {
-        batch->done_ns = uv_hrtime();
-        return;
+    cpu_run(&cb->base, batch, cb->cpu);
+    if (batch->status == KD_BATCH_OK) {
+        for (uint32_t i = 0; i < batch->nops; i++)
+            run_op(&cb->base, &batch->ops[i]);
     }
+    batch->done_ns = uv_hrtime();
+}
+
+static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu)
+{
+    if (batch->nseqs == 0)
+        return;
 
     uint64_t scratch_bytes = 0;
     for (uint32_t i = 0; i < batch->nseqs; i++) {
@@ -104,7 +113,7 @@ static void cpu_work(uv_work_t *w)
                             .slot = q->slot, .flags = q->flags};
     }
     kda_error kerr;
-    if (kda_cpu_prefill(cb->cpu, &b->pool, seqs, batch->nseqs, &kerr) != KDA_OK) {
+    if (kda_cpu_prefill(cpu, &b->pool, seqs, batch->nseqs, &kerr) != KDA_OK) {
         /* kda_cpu checks everything before it writes: the states are intact. */
         batch->status = KD_BATCH_FAILED;
         batch->code = kerr.code == KDA_ENOMEM ? KP_E_NO_MEMORY : KP_E_INTERNAL;
@@ -113,7 +122,6 @@ static void cpu_work(uv_work_t *w)
 out:
     free(seqs);
     free(scratch);
-    batch->done_ns = uv_hrtime();
 }
 
 /* Loop thread. */

@@ -42,6 +42,7 @@ struct kd_exec {
             kd_buf out;       /* a region, or NULL host until the batch forms (inline) */
             void *inline_out;
             uint64_t pos;
+            bool zeroes;      /* the batch clears the lazily zeroed slot first */
         } read;
         struct {
             kp_dtype dtype;
@@ -580,11 +581,9 @@ static kd_prepare prepare_read(kd_req *r, kd_run *run)
         }
         x->read.out = (kd_buf){x->read.inline_out, NULL};
     }
-    if (s->zero) {
-        /* Make the lazy zero state real first: the batch runs ops in order. */
+    x->read.zeroes = s->zero;
+    if (s->zero) /* make the lazy zero state real first: the batch runs ops in order */
         *add_op(run) = (kd_slot_op){.kind = KD_OP_ZERO, .slot = slot};
-        kd_pool_set_ready(&d->pool, slot, s->pos, false);
-    }
     *add_op(run) = (kd_slot_op){.kind = KD_OP_READ, .slot = slot,
                                 .dtype = (kda_dtype)x->read.dtype, .buf = x->read.out};
     return KD_PREPARE_BATCHED;
@@ -592,8 +591,11 @@ static kd_prepare prepare_read(kd_req *r, kd_run *run)
 
 static void finish_read(kd_req *r)
 {
+    kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
     kp_error e;
+    if (x->read.zeroes) /* the memory holds the zeros now */
+        kd_pool_set_ready(&d->pool, x->slots[0], x->read.pos, false);
     add_stats(r);
     job_done(r);
     kp_slot_read_result res = {x->read.pos, x->read.dtype, {KP_REF_ABSENT, NULL, 0, 0, 0}};
@@ -643,8 +645,7 @@ void kd_exec_finish(kd_req *r, const kd_batch *b)
 {
     kd_daemon *d = daemon_of(r);
     kp_error e;
-    /* FAILED concerns the launch only: slot operations never fail short of FATAL. */
-    if (b && b->status == KD_BATCH_FAILED && r->method == KP_METHOD_PREFILL) {
+    if (b && b->status == KD_BATCH_FAILED) { /* nothing ran */
         kp_fail(&e, b->code, "%s", b->message);
         fail(r, &e);
         return;

@@ -3,6 +3,7 @@
  */
 #include "stats.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,7 +57,8 @@ static uint64_t quantile(const kd_stats *s, double q)
 {
     if (s->lat_count == 0)
         return 0;
-    uint64_t rank = (uint64_t)(q * (double)s->lat_count);
+    /* nearest rank: the smallest value with at least q of all at or below it */
+    uint64_t rank = (uint64_t)ceil(q * (double)s->lat_count);
     if (rank == 0)
         rank = 1;
     uint64_t seen = 0;

@@ -33,7 +33,7 @@ typedef enum kd_disconnect {
 
 const char *kd_disconnect_name(kd_disconnect d);
 
-#define KD_LAT_BOUNDS 25   /* 10 us .. 100 s in a 1-2-5 series */
+#define KD_LAT_BOUNDS 22   /* 10 us .. 100 s in a 1-2-5 series */
 #define KD_ERROR_SLOTS 64  /* error codes are -1 .. -63 */
 
 typedef struct kd_stats {

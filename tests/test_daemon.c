@@ -11,7 +11,10 @@
 
 #include <cmocka.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1043,7 +1046,8 @@ static void test_config_layers_and_reload(void **unused)
 
     /* reload: cfg.L goes, cfg.M (with a custom tensor name) comes */
     snprintf(yaml, sizeof(yaml), "%slayers:\n  - name: cfg.M\n    file: m.safetensors\n"
-             "    A_log: my_a_log\n    lower_bound: -5\n", base_yaml);
+             "    A_log: my_a_log\n    lower_bound: -5\nlimits:\n  max_batch_tokens: 1000\n",
+             base_yaml);
     char moved[160];
     snprintf(moved, sizeof(moved), "%s/m.safetensors", d.dir); /* relative to the config */
     assert_int_equal(rename(mpath, moved), 0);
@@ -1057,6 +1061,13 @@ static void test_config_layers_and_reload(void **unused)
             usleep(20000);
     }
     assert_true(reloaded);
+    /* new connections see the reloaded limits; this one keeps its hello's */
+    dh_client c2;
+    dh_connect(&c2, &d);
+    dh_hello(&c2);
+    assert_int_equal(c2.session.limits.max_batch_tokens, 1000);
+    assert_int_equal(c.session.limits.max_batch_tokens, 65536);
+    dh_close(&c2);
     slot = dh_alloc(&c);
     id = dh_send_prefill(&c, "cfg.M", slot, &s, 0);
     dh_recv_prefill(&c, id, &s, out);
@@ -1149,6 +1160,98 @@ static void test_check_config_cli(void **unused)
     unlink(path);
 }
 
+/* Reads one sd_notify datagram containing `want` (skipping others); false
+ * after `ms` milliseconds. */
+static bool notify_wait(int fd, const char *want, int ms, char *got, size_t size)
+{
+    for (int waited = 0; waited < ms; waited += 10) {
+        ssize_t n = recv(fd, got, size - 1, MSG_DONTWAIT);
+        if (n > 0) {
+            got[n] = '\0';
+            if (strstr(got, want))
+                return true;
+            continue;
+        }
+        usleep(10000);
+    }
+    return false;
+}
+
+/* Socket activation (LISTEN_FDS) and the service-manager protocol
+ * (NOTIFY_SOCKET, WATCHDOG_USEC), as systemd would run kdad. */
+static void test_systemd_activation_and_notify(void **unused)
+{
+    char dir[] = "/tmp/kdad-systemd-XXXXXX", lpath[96], npath[96], cpath[96], got[512];
+    assert_non_null(mkdtemp(dir));
+    snprintf(lpath, sizeof(lpath), "%s/kdad.sock", dir);
+    snprintf(npath, sizeof(npath), "%s/notify", dir);
+    snprintf(cpath, sizeof(cpath), "%s/kdad.yaml", dir);
+    FILE *f = fopen(cpath, "w");
+    assert_non_null(f);
+    fputs(base_yaml, f);
+    fclose(f);
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0), nfd = socket(AF_UNIX, SOCK_DGRAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX}, na = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", lpath);
+    snprintf(na.sun_path, sizeof(na.sun_path), "%s", npath);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(lfd, 16), 0);
+    assert_int_equal(bind(nfd, (struct sockaddr *)&na, sizeof(na)), 0);
+
+    char exe[512];
+    snprintf(exe, sizeof(exe), "%s/daemon/kdad", KDAD_BUILD_DIR);
+    char log[96];
+    snprintf(log, sizeof(log), "%s/kdad.log", dir);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char num[32];
+        int logfd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(logfd, 2);
+        dup2(lfd, 3);
+        snprintf(num, sizeof(num), "%d", (int)getpid());
+        setenv("LISTEN_PID", num, 1);
+        setenv("LISTEN_FDS", "1", 1);
+        setenv("NOTIFY_SOCKET", npath, 1);
+        setenv("WATCHDOG_USEC", "200000", 1);
+        execl(exe, exe, "--config", cpath, "--backend", DH_BACKEND, (char *)NULL);
+        _exit(127);
+    }
+    close(lfd);
+    bool ready = notify_wait(nfd, "READY=1", 30000, got, sizeof(got));
+    if (!ready) {
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid && WIFEXITED(status) &&
+            WEXITSTATUS(status) == 69)
+            skip();
+    }
+    assert_true(ready);
+    assert_non_null(strstr(got, "STATUS=serving: backend"));
+
+    dh_daemon d;
+    memset(&d, 0, sizeof(d));
+    snprintf(d.sock, sizeof(d.sock), "%s", lpath);
+    d.pid = pid;
+    dh_client c;
+    dh_connect(&c, &d); /* through the socket systemd (we) passed */
+    dh_hello(&c);
+    assert_true(notify_wait(nfd, "WATCHDOG=1", 2000, got, sizeof(got)));
+    dh_close(&c);
+    kill(pid, SIGTERM);
+    assert_true(notify_wait(nfd, "STOPPING=1", 10000, got, sizeof(got)));
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    /* the socket file is systemd's: kdad leaves it in place */
+    assert_int_equal(access(lpath, F_OK), 0);
+    close(nfd);
+    unlink(lpath);
+    unlink(npath);
+    unlink(cpath);
+    unlink(log);
+    rmdir(dir);
+}
+
 /* The cuda build of this suite exits 77 (skipped) without a usable GPU. */
 static int backend_available(void)
 {
@@ -1176,6 +1279,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sigterm_drains, dh_teardown),
         cmocka_unit_test_teardown(test_config_layers_and_reload, dh_teardown),
         cmocka_unit_test_teardown(test_check_config_cli, dh_teardown),
+        cmocka_unit_test_teardown(test_systemd_activation_and_notify, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
