@@ -227,6 +227,14 @@ static void stage_work(uv_work_t *w)
     /* Longest first: the kernel hands out work items in table order. */
     qsort(bf->desc_host, b->nseqs, sizeof(kda_seq), by_length_desc);
     *bf->count_host = (int32_t)b->nseqs;
+    /* The daemon built this table from checked requests; a table the kernel
+     * would refuse is a daemon bug, and must not reach the device. */
+    kda_error kerr;
+    if (b->nseqs && kda_cuda_batch_check(&cb->base.pool, bf->desc_host, b->nseqs, &kerr)) {
+        b->status = KD_BATCH_FAILED;
+        b->code = KP_E_INTERNAL;
+        snprintf(b->message, sizeof(b->message), "cuda backend: %.200s", kerr.msg);
+    }
 }
 
 /* ---------------------------------------------------------------------- */
@@ -731,8 +739,11 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         rc = cuda_err(err, errlen, e, "creating streams");
         goto fail;
     }
+    /* Zeroed on the batch stream itself (a cudaMemset would run on the legacy
+     * stream, unordered with ours); the first captures wait for it. */
     if ((e = cudaMalloc(&b->pool.state, pool_bytes)) ||
-        (e = cudaMemset(b->pool.state, 0, pool_bytes))) {
+        (e = cudaMemsetAsync(b->pool.state, 0, pool_bytes, cb->stream)) ||
+        (e = cudaStreamSynchronize(cb->stream))) {
         snprintf(err, errlen, "cannot allocate the state pool of %llu MiB on %s: %s",
                  (unsigned long long)(pool_bytes >> 20), prop.name, cudaGetErrorString(e));
         rc = KP_E_NO_MEMORY;

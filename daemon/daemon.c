@@ -582,6 +582,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
                    const kd_config_overrides *ov, char *err, size_t errlen)
 {
     memset(d, 0, sizeof(*d));
+    d->server.fd = -1;
     d->loop = loop;
     d->cfg = *cfg;
     memset(cfg, 0, sizeof(*cfg));
@@ -626,7 +627,6 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
     d->housekeeping.data = d->metrics.data = d->input_idle.data = d;
     uv_timer_start(&d->housekeeping, on_housekeeping, KD_HOUSEKEEPING_MS, KD_HOUSEKEEPING_MS);
     start_metrics(d);
-    d->server.fd = -1;
     return KD_EXIT_OK;
 }
 

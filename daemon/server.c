@@ -196,23 +196,18 @@ void kd_server_tick(kd_server *s)
     }
 }
 
-static void on_poll_closed(uv_handle_t *h)
-{
-    kd_server *s = h->data;
-    close(s->fd);
-    s->fd = -1;
-}
-
 void kd_server_close(kd_server *s)
 {
     if (s->path[0]) {
         unlink(s->path);
         s->path[0] = '\0';
     }
+    /* uv_close stops the polling at once, so the descriptor may go now. */
     if (s->poll_open) {
         s->poll_open = false;
-        uv_close((uv_handle_t *)&s->poll, on_poll_closed);
-    } else if (s->fd >= 0) {
+        uv_close((uv_handle_t *)&s->poll, NULL);
+    }
+    if (s->fd >= 0) {
         close(s->fd);
         s->fd = -1;
     }
