@@ -13,7 +13,10 @@
  *
  * A batch goes through four steps, none of which blocks the loop:
  *   1. stage   (worker thread)  inline inputs and converted states into the
- *              pinned buffer; descriptors (longest first) into the pinned table
+ *              pinned buffer; descriptors (longest first) into the pinned table.
+ *              A batch whose buffers are all device memory (CUDA IPC, pinned
+ *              shared memory) only needs its descriptors: written on the loop,
+ *              which saves the thread hop on the latency path
  *   2. enqueue (loop)           H2D staging copy, slot operations, graph
  *              replay, D2H staging copy, event, cudaLaunchHostFunc
  *   3. done    (loop)           the host function wakes the loop (uv_async);
@@ -120,7 +123,7 @@ static uint64_t round_stage(uint64_t n)
 }
 
 /* ---------------------------------------------------------------------- */
-/* Step 1: stage (worker thread; no CUDA calls)                           */
+/* Step 1: stage (no CUDA calls: it runs on a worker thread)               */
 /* ---------------------------------------------------------------------- */
 
 static int by_length_desc(const void *a, const void *b)
@@ -292,54 +295,84 @@ static void CUDART_CB host_done(void *arg)
 static void finish(cuda_buf *bf);
 static void on_poll(uv_timer_t *t);
 
+/* Queues a staged batch on the stream; a failure here means the context is
+ * unusable (what names the step). */
+static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
+{
+    kd_batch *b = bf->batch;
+    cudaError_t e = cudaSuccess;
+    b->launch_ns = uv_hrtime();
+    *what = "copying staged inputs";
+    if (bf->in_used)
+        e = cudaMemcpyAsync(bf->in_dev, bf->in_host, bf->in_used, cudaMemcpyHostToDevice,
+                            cb->stream);
+    for (uint32_t i = 0; e == cudaSuccess && i < b->nops; i++) {
+        *what = "a slot operation";
+        e = enqueue_op(cb, bf, i);
+    }
+    if (e == cudaSuccess && b->nseqs > 0) {
+        *what = "replaying the prefill graph";
+        e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
+    }
+    if (e == cudaSuccess && bf->out_used) {
+        *what = "copying staged outputs";
+        e = cudaMemcpyAsync(bf->out_host, bf->out_dev, bf->out_used, cudaMemcpyDeviceToHost,
+                            cb->stream);
+    }
+    if (e == cudaSuccess) {
+        *what = "recording the completion event";
+        e = cudaEventRecord(bf->done_ev, cb->stream);
+    }
+    if (e == cudaSuccess) {
+        *what = "cudaLaunchHostFunc";
+        e = cudaLaunchHostFunc(cb->stream, host_done, cb);
+    }
+    if (e == cudaSuccess) {
+        bf->state = BUF_RUNNING;
+        bf->seq = cb->next_seq++;
+        if (!uv_is_active((uv_handle_t *)&cb->poll))
+            uv_timer_start(&cb->poll, on_poll, KD_CUDA_POLL_MS, KD_CUDA_POLL_MS);
+    }
+    return e;
+}
+
 static void stage_after(uv_work_t *w, int status)
 {
     cuda_buf *bf = w->data;
     cuda_backend *cb = bf->owner;
     kd_batch *b = bf->batch;
+    const char *what;
+    cudaError_t e;
     if (b->status != KD_BATCH_OK || cb->fatal) {
         if (cb->fatal && b->status == KD_BATCH_OK)
             fail_fatal(b, cudaErrorContextIsDestroyed, "earlier device failure");
         finish(bf);
-        return;
-    }
-    b->launch_ns = uv_hrtime();
-    cudaError_t e = cudaSuccess;
-    const char *what = "copying staged inputs";
-    if (bf->in_used)
-        e = cudaMemcpyAsync(bf->in_dev, bf->in_host, bf->in_used, cudaMemcpyHostToDevice,
-                            cb->stream);
-    for (uint32_t i = 0; e == cudaSuccess && i < b->nops; i++) {
-        what = "a slot operation";
-        e = enqueue_op(cb, bf, i);
-    }
-    if (e == cudaSuccess && b->nseqs > 0) {
-        what = "replaying the prefill graph";
-        e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
-    }
-    if (e == cudaSuccess && bf->out_used) {
-        what = "copying staged outputs";
-        e = cudaMemcpyAsync(bf->out_host, bf->out_dev, bf->out_used, cudaMemcpyDeviceToHost,
-                            cb->stream);
-    }
-    if (e == cudaSuccess) {
-        what = "recording the completion event";
-        e = cudaEventRecord(bf->done_ev, cb->stream);
-    }
-    if (e == cudaSuccess) {
-        what = "cudaLaunchHostFunc";
-        e = cudaLaunchHostFunc(cb->stream, host_done, cb);
-    }
-    if (e != cudaSuccess) {
+    } else if ((e = enqueue(cb, bf, &what)) != cudaSuccess) {
         cb->fatal = true;
         fail_fatal(b, e, what);
         finish(bf);
-        return;
     }
-    bf->state = BUF_RUNNING;
-    bf->seq = cb->next_seq++;
-    if (!uv_is_active((uv_handle_t *)&cb->poll))
-        uv_timer_start(&cb->poll, on_poll, KD_CUDA_POLL_MS, KD_CUDA_POLL_MS);
+}
+
+/* Whether a batch moves any bytes through the staging buffers (else its
+ * descriptors are all it needs, and they are cheap to write on the loop). */
+static bool needs_staging(const cuda_backend *cb, const kd_batch *b)
+{
+    for (uint32_t i = 0; i < b->nops; i++) {
+        const kd_slot_op *op = &b->ops[i];
+        if ((op->kind == KD_OP_READ || op->kind == KD_OP_WRITE) &&
+            (!op->buf.dev || op->dtype != cb->base.pool.dtype))
+            return true;
+    }
+    for (uint32_t i = 0; i < b->nseqs; i++) {
+        for (int t = 0; t < 5; t++) {
+            if (!b->seqs[i].in[t].dev)
+                return true;
+        }
+        if (!b->seqs[i].out.dev)
+            return true;
+    }
+    return false;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -447,6 +480,23 @@ static int cuda_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     bf->batch = batch;
     bf->state = BUF_STAGING;
     bf->work.data = bf;
+    if (!needs_staging(cb, batch)) {
+        /* Device memory only (CUDA IPC regions, pinned shared memory): no
+         * thread hop on the latency path.  The callback must not fire from
+         * inside submit, so failures are returned instead. */
+        const char *what;
+        stage_work(&bf->work);
+        cudaError_t e = batch->status == KD_BATCH_OK ? enqueue(cb, bf, &what) : cudaSuccess;
+        if (batch->status != KD_BATCH_OK || e != cudaSuccess) {
+            bf->batch = NULL;
+            bf->state = BUF_FREE;
+            if (e == cudaSuccess)
+                return kp_fail(err, batch->code, "%s", batch->message);
+            cb->fatal = true;
+            return kp_fail(err, KP_E_DEVICE_FAILED, "%s: %s", what, cudaGetErrorString(e));
+        }
+        return KP_OK;
+    }
     int rc = uv_queue_work(b->loop, &bf->work, stage_work, stage_after);
     if (rc) {
         bf->batch = NULL;
