@@ -123,7 +123,7 @@ static uint64_t round_stage(uint64_t n)
 }
 
 /* ---------------------------------------------------------------------- */
-/* Step 1: stage (no CUDA calls: it runs on a worker thread)               */
+/* Step 1: stage (no CUDA calls: it may run on a worker thread)            */
 /* ---------------------------------------------------------------------- */
 
 static int by_length_desc(const void *a, const void *b)
