@@ -1160,6 +1160,42 @@ static void test_check_config_cli(void **unused)
     unlink(path);
 }
 
+/* metrics.prometheus_file: rewritten with the counters every interval. */
+static void test_metrics_file(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    char dir[] = "/tmp/kdad-metrics-XXXXXX", path[96], extra[256];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/kdad.prom", dir);
+    snprintf(extra, sizeof(extra), "metrics:\n  prometheus_file: %s\n  interval_ms: 100\n", path);
+    start(&d, extra);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    uint32_t id = dh_id(&c);
+    send_simple(&c, id, KP_METHOD_HEALTH);
+    dh_expect_result(&c, id);
+    bool seen = false;
+    for (int tries = 0; tries < 200 && !seen; tries++) {
+        usleep(20000);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        char text[8192];
+        size_t n = fread(text, 1, sizeof(text) - 1, f);
+        fclose(f);
+        text[n] = '\0';
+        /* hello and health answered on our connection */
+        seen = strstr(text, "kdad_requests_total 2\n") && strstr(text, "kdad_connections 1\n") &&
+               strstr(text, "kdad_pool_slots{state=\"total\"} 64\n");
+    }
+    assert_true(seen);
+    dh_close(&c);
+    dh_stop(&d);
+    unlink(path);
+    rmdir(dir);
+}
+
 /* Reads one sd_notify datagram containing `want` (skipping others); false
  * after `ms` milliseconds. */
 static bool notify_wait(int fd, const char *want, int ms, char *got, size_t size)
@@ -1279,6 +1315,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sigterm_drains, dh_teardown),
         cmocka_unit_test_teardown(test_config_layers_and_reload, dh_teardown),
         cmocka_unit_test_teardown(test_check_config_cli, dh_teardown),
+        cmocka_unit_test_teardown(test_metrics_file, dh_teardown),
         cmocka_unit_test_teardown(test_systemd_activation_and_notify, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
