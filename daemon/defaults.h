@@ -5,7 +5,8 @@
  * have their named defaults in proto/kdaproto.h (KP_DEFAULT_*), shared with
  * the client; the daemon-side caps below are never sent on the wire.  Every
  * value here is the default of a config/kdad.yaml key (named in the comment)
- * unless it says "fixed".
+ * unless it says "fixed".  kdad takes its defaults from the built-in copy of
+ * config/kdad.yaml; tests/test_config.c checks that it agrees with these.
  */
 #ifndef KDAD_DEFAULTS_H
 #define KDAD_DEFAULTS_H

@@ -47,11 +47,6 @@ void kd_log_set_level(kd_log_level level)
     atomic_store(&log_level, (int)level);
 }
 
-kd_log_level kd_log_get_level(void)
-{
-    return (kd_log_level)atomic_load(&log_level);
-}
-
 bool kd_log_enabled(kd_log_level level)
 {
     return (int)level <= atomic_load(&log_level);
@@ -60,15 +55,6 @@ bool kd_log_enabled(kd_log_level level)
 const char *kd_log_level_name(kd_log_level level)
 {
     return level >= KD_LOG_ERROR && level <= KD_LOG_DEBUG ? level_names[level] : "?";
-}
-
-int kd_log_level_parse(const char *name)
-{
-    for (int l = KD_LOG_ERROR; l <= KD_LOG_DEBUG; l++) {
-        if (strcmp(name, level_names[l]) == 0)
-            return l;
-    }
-    return -1;
 }
 
 void kd_log(kd_log_level level, const char *fmt, ...)

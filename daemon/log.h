@@ -24,12 +24,10 @@ typedef enum kd_log_level {
 /* Decides the line format from the environment (JOURNAL_STREAM vs stderr). */
 void kd_log_init(kd_log_level level);
 void kd_log_set_level(kd_log_level level);
-kd_log_level kd_log_get_level(void);
 bool kd_log_enabled(kd_log_level level);
 
-/* "error", "warning", "notice", "info", "debug" <-> level; -1 if unknown. */
+/* "error", "warning", "notice", "info", "debug". */
 const char *kd_log_level_name(kd_log_level level);
-int kd_log_level_parse(const char *name);
 
 void kd_log(kd_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

@@ -3,9 +3,6 @@
  */
 #include "notify.h"
 
-#include <stdarg.h>
-#include <stdio.h>
-
 #include <systemd/sd-daemon.h>
 
 #include "log.h"
@@ -13,16 +10,6 @@
 void kd_notify_ready(const char *status)
 {
     sd_notifyf(0, "READY=1\nSTATUS=%s", status);
-}
-
-void kd_notify_status(const char *fmt, ...)
-{
-    char status[256];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(status, sizeof(status), fmt, ap);
-    va_end(ap);
-    sd_notifyf(0, "STATUS=%s", status);
 }
 
 void kd_notify_reloading(void)

@@ -1,5 +1,5 @@
 /*
- * notify.h - the systemd service-manager protocol (sd_notify): READY,
+ * notify.h - the systemd service-manager protocol (sd_notify): READY with a
  * STATUS, RELOADING, STOPPING, and the watchdog.  Without NOTIFY_SOCKET
  * (not started by systemd) every call does nothing.
  *
@@ -18,7 +18,6 @@
 #include <uv.h>
 
 void kd_notify_ready(const char *status);
-void kd_notify_status(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void kd_notify_reloading(void);
 void kd_notify_stopping(void);
 

@@ -39,13 +39,14 @@ static void refused(const char *text, const char *message)
         fail_msg("for %s\n expected: %s\n got:      %s", text, message, err);
 }
 
+/* The built-in config/kdad.yaml carries the defaults that defaults.h names. */
 static void test_builtin_default(void **unused)
 {
     kd_config c;
     assert_int_equal(kd_config_load(&c, NULL, NULL, err, sizeof(err)), 0);
     assert_int_equal(c.backend, KD_BACKEND_AUTO);
-    assert_int_equal(c.heads, 96);
-    assert_int_equal(c.slots, 256);
+    assert_int_equal(c.heads, KD_DEFAULT_HEADS);
+    assert_int_equal(c.slots, KD_DEFAULT_SLOTS);
     assert_int_equal(c.state_dtype, KP_DTYPE_F32);
     assert_false(c.slots_persist);
     assert_int_equal(c.socket_mode, 0660);
@@ -64,16 +65,17 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.limits.max_inflight_bytes, def.max_inflight_bytes);
     assert_int_equal(c.limits.max_layers, def.max_layers);
     assert_int_equal(c.ngraph_buckets, 0);
-    assert_int_equal(c.max_queued_requests, 4096);
-    assert_int_equal(c.max_connections, 1024);
-    assert_int_equal(c.output_hard_limit, 1ull << 30);
-    assert_int_equal(c.output_soft_limit, 512ull << 20);
+    assert_int_equal(c.max_queued_requests, KD_DEFAULT_MAX_QUEUED_REQUESTS);
+    assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
+    assert_int_equal(c.output_hard_limit, KD_DEFAULT_OUTPUT_HARD_LIMIT);
+    assert_int_equal(c.output_soft_limit, KD_DEFAULT_OUTPUT_SOFT_LIMIT);
+    assert_int_equal(c.output_soft_seconds, KD_DEFAULT_OUTPUT_SOFT_SECONDS);
     assert_true(c.transport_shm && c.transport_cuda_ipc);
     assert_int_equal(c.nlayers, 0);
     assert_int_equal(c.log_level, KD_LOG_INFO);
     assert_string_equal(c.prometheus_file, "");
-    assert_int_equal(c.metrics_interval_ms, 10000);
-    assert_int_equal(c.drain_timeout_ms, 30000);
+    assert_int_equal(c.metrics_interval_ms, KD_DEFAULT_METRICS_INTERVAL_MS);
+    assert_int_equal(c.drain_timeout_ms, KD_DEFAULT_DRAIN_TIMEOUT_MS);
     kd_config_free(&c);
 
     /* config/kdad.yaml documents every key (each appears as "key:") */
