@@ -65,7 +65,7 @@ typedef struct kd_config {
     uint32_t slots;           /* pool size, 1..KD_MAX_SLOTS */
     kp_dtype state_dtype;
     bool slots_persist;       /* slots belong to the uid and survive disconnects */
-    /* limits announced in hello (see kd_config_reload for which may change) */
+    /* limits announced in hello (docs/daemon.md says which a reload may change) */
     kp_limits limits;
     /* batching */
     uint32_t graph_buckets[KD_MAX_GRAPH_BUCKETS]; /* strictly increasing */

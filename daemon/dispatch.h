@@ -10,7 +10,7 @@
  * prefill and the slot operations are admitted by exec.c and answered when
  * they have run.
  *
- * Every request is answered exactly once, with kd_req_answer or
+ * Every request is answered exactly once, with kd_req_reply or
  * kd_req_fail, which also keep the connection's in-flight accounting and
  * the statistics.  An error whose code closes the connection (KP_ERRORS)
  * is followed by a goodbye and the close.
