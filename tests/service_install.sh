@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# service_install.sh MODE BUILD_DIR SOURCE_DIR - kdad installed as a system service.
+#
+#   layout  `cmake --install --prefix /usr` into a DESTDIR: every file where an operator and
+#           systemd expect it, the unit configured for that prefix, the installed kdad
+#           accepting the installed configuration, and a reinstall that keeps an edited
+#           /etc/kdad/kdad.yaml.  Another prefix configures the unit for itself.
+#   units   the installed units through systemd's own tools, offline: systemd-analyze
+#           verify (any warning fails), systemd-analyze security (exposure at most 2.0),
+#           systemd-sysusers and systemd-tmpfiles applied to the DESTDIR as a root.
+#           Exits 77 (skipped) and says so when these tools are not installed.
+set -euo pipefail
+mode=$1 build=$(realpath "$2") src=$(realpath "$3")
+fail() { echo "service_install $mode: $*" >&2; exit 1; }
+root=$(mktemp -d /tmp/kdad-service-XXXXXX)
+trap 'rm -rf "$root"' EXIT
+
+install_into() {  # install_into DESTDIR PREFIX
+  DESTDIR=$1 cmake --install "$build" --prefix "$2" >"$root/install.log" 2>&1 ||
+    { cat "$root/install.log" >&2; fail "cmake --install --prefix $2 failed"; }
+}
+cache() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
+under() { case $1 in /*) echo "$1" ;; *) echo "/usr/$1" ;; esac; }  # a cache dir, prefix /usr
+
+dest=$root/dest
+install_into "$dest" /usr
+unitdir=$dest$(under "$(cache KDAD_SYSTEMD_UNITDIR)")
+sysusersdir=$dest$(under "$(cache KDAD_SYSUSERSDIR)")
+tmpfilesdir=$dest$(under "$(cache KDAD_TMPFILESDIR)")
+
+case $mode in
+layout)
+  for f in usr/sbin/kdad usr/bin/kdactl; do
+    [ -x "$dest/$f" ] || fail "$f is not installed (executable)"
+  done
+  [ ! -e "$dest/usr/bin/kdad" ] || fail "kdad belongs in sbin, not bin"
+  for f in usr/include/kdaclient.h etc/kdad/kdad.yaml usr/share/man/man8/kdad.8 \
+           usr/share/man/man1/kdactl.1 usr/share/doc/kdad/daemon.md \
+           usr/share/doc/kdad/client.md usr/share/doc/kdad/PROTOCOL.md \
+           usr/share/doc/kdad/kdad.yaml; do
+    [ -f "$dest/$f" ] || fail "$f is not installed"
+  done
+  pc=$(find "$dest/usr" -name kdaclient.pc)
+  [ -n "$pc" ] || fail "kdaclient.pc is not installed"
+  [ -n "$(find "$dest/usr" -name libkdaclient.so.0)" ] || fail "libkdaclient.so.0 is not installed"
+  PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --exists kdaclient || fail "kdaclient.pc is unusable"
+  for f in "$unitdir/kdad.service" "$unitdir/kdad.socket" "$sysusersdir/kdad.conf" \
+           "$tmpfilesdir/kdad.conf"; do
+    [ -f "$f" ] || fail "${f#"$dest"} is not installed"
+  done
+  cmp -s "$dest/etc/kdad/kdad.yaml" "$src/config/kdad.yaml" ||
+    fail "/etc/kdad/kdad.yaml is not the documented default"
+  for f in kdad.socket; do
+    cmp -s "$unitdir/$f" "$src/systemd/$f" || fail "$f differs from the source"
+  done
+  cmp -s "$sysusersdir/kdad.conf" "$src/systemd/kdad.sysusers" || fail "sysusers.d/kdad.conf"
+  cmp -s "$tmpfilesdir/kdad.conf" "$src/systemd/kdad.tmpfiles" || fail "tmpfiles.d/kdad.conf"
+
+  unit=$unitdir/kdad.service
+  grep -qx 'ExecStart=/usr/sbin/kdad --config /etc/kdad/kdad.yaml' "$unit" ||
+    fail "ExecStart of the unit: $(grep ExecStart= "$unit")"
+  ! grep -q '@[A-Z_]*@' "$unit" || fail "unsubstituted variables in kdad.service"
+  grep -qx 'ListenStream=/run/kdad/kdad.sock' "$unitdir/kdad.socket" || fail "socket path"
+  out=$("$dest/usr/sbin/kdad" --check-config "$dest/etc/kdad/kdad.yaml" 2>&1) ||
+    fail "the installed kdad refuses the installed configuration: $out"
+
+  # A reinstall keeps the operator's configuration and updates everything else.
+  sed -i 's/^  level: info$/  level: debug  # edited by the operator/' "$dest/etc/kdad/kdad.yaml"
+  grep -q 'edited by the operator' "$dest/etc/kdad/kdad.yaml" || fail "could not edit the config"
+  cp "$dest/etc/kdad/kdad.yaml" "$root/edited.yaml"
+  echo "# stale" >>"$unitdir/kdad.socket"
+  install_into "$dest" /usr
+  cmp -s "$dest/etc/kdad/kdad.yaml" "$root/edited.yaml" ||
+    fail "reinstalling overwrote /etc/kdad/kdad.yaml"
+  grep -q "Keeping: $dest/etc/kdad/kdad.yaml" "$root/install.log" ||
+    fail "the reinstall did not say it kept the configuration"
+  cmp -s "$unitdir/kdad.socket" "$src/systemd/kdad.socket" || fail "reinstall left a stale unit"
+  out=$("$dest/usr/sbin/kdad" --check-config "$dest/etc/kdad/kdad.yaml" 2>&1) ||
+    fail "the edited configuration: $out"
+
+  # Another prefix: binaries and configuration under it, the unit pointing there.
+  other=$root/other
+  install_into "$other" /opt/kdad
+  [ -x "$other/opt/kdad/sbin/kdad" ] || fail "prefix /opt/kdad: no sbin/kdad"
+  [ -f "$other/etc/opt/kdad/kdad/kdad.yaml" ] || fail "prefix /opt/kdad: no /etc/opt/kdad config"
+  ounit=$(find "$other" -name kdad.service)
+  grep -qx 'ExecStart=/opt/kdad/sbin/kdad --config /etc/opt/kdad/kdad/kdad.yaml' "$ounit" ||
+    fail "prefix /opt/kdad: $(grep ExecStart= "$ounit")"
+  echo "service_install layout: ok"
+  ;;
+units)
+  for tool in systemd-analyze systemd-sysusers systemd-tmpfiles; do
+    command -v "$tool" >/dev/null ||
+      { echo "skipped: $tool is not installed (Debian package systemd)"; exit 77; }
+  done
+  # verify resolves ExecStart= on this machine: point it at the DESTDIR's kdad.  The man:
+  # links are checked when man(1) is present (MANPATH: the DESTDIR's pages).
+  check=$root/check
+  mkdir "$check"
+  sed "s|^ExecStart=/usr/sbin/kdad |ExecStart=$dest/usr/sbin/kdad |" "$unitdir/kdad.service" \
+    >"$check/kdad.service"
+  cp "$unitdir/kdad.socket" "$check/kdad.socket"
+  man=no
+  if command -v man >/dev/null; then man=yes; else echo "note: man(1) absent, man: links unchecked"; fi
+  if ! out=$(MANPATH=$dest/usr/share/man systemd-analyze verify --man=$man \
+               "$check/kdad.service" "$check/kdad.socket" 2>&1) || [ -n "$out" ]; then
+    fail "systemd-analyze verify: $out"
+  fi
+  if ! out=$(systemd-analyze security --offline=true --threshold=20 "$check/kdad.service" 2>&1); then
+    fail "systemd-analyze security: exposure above 2.0: $(echo "$out" | tail -1)"
+  fi
+  echo "$out" | tail -1
+
+  # sysusers.d and tmpfiles.d applied to the DESTDIR as if it were the root file system.
+  systemd-sysusers --root="$dest" >/dev/null 2>&1 || fail "systemd-sysusers --root failed"
+  grep -q '^kdad:x:[0-9]*:[0-9]*:.*:/var/lib/kdad:' "$dest/etc/passwd" || fail "no user kdad"
+  grep -q '^kdad-clients:x:' "$dest/etc/group" || fail "no group kdad-clients"
+  grep -q '^kdad:x:' "$dest/etc/group" || fail "no group kdad"
+  uid=$(awk -F: '$1 == "kdad" {print $3}' "$dest/etc/passwd")
+  systemd-tmpfiles --root="$dest" --create >/dev/null 2>&1 || fail "systemd-tmpfiles --root failed"
+  [ "$(stat -c '%u %a' "$dest/run/kdad")" = "$uid 755" ] ||
+    fail "/run/kdad: $(stat -c '%u %a' "$dest/run/kdad"), expected $uid 755"
+  [ "$(stat -c '%u %a' "$dest/var/lib/kdad")" = "$uid 750" ] || fail "/var/lib/kdad"
+  echo "service_install units: ok"
+  ;;
+*) fail "unknown mode (layout or units)" ;;
+esac
