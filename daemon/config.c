@@ -10,7 +10,9 @@
 #include "config.h"
 
 #include <errno.h>
+#include <grp.h>
 #include <limits.h>
+#include <pwd.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -30,7 +32,8 @@ typedef enum key_type {
     K_BOOL,     /* bool */
     K_MODE,     /* uint32_t permission bits, octal */
     K_ENUM,     /* int-sized enum: index into choices */
-    K_U32_LIST, /* uint32_t * + uint32_t count (ids) */
+    K_UID_LIST, /* uint32_t * + uint32_t count: uids, as numbers or user names */
+    K_GID_LIST, /* uint32_t * + uint32_t count: gids, as numbers or group names */
     K_BUCKETS,  /* uint32_t[KD_MAX_GRAPH_BUCKETS] + count */
     K_LAYERS,   /* kd_layer_conf * + count */
 } key_type;
@@ -58,9 +61,9 @@ static const key_spec schema[] = {
     {"socket.path", K_STR, OFF(socket_path), 0, 0, 0, NULL},
     {"socket.mode", K_MODE, OFF(socket_mode), 0, 0, 0777, NULL},
     {"socket.group", K_STR, OFF(socket_group), 0, 0, 0, NULL},
-    {"access.allowed_uids", K_U32_LIST, OFF(allowed_uids), OFF(nallowed_uids), 0, UINT32_MAX - 1,
+    {"access.allowed_uids", K_UID_LIST, OFF(allowed_uids), OFF(nallowed_uids), 0, UINT32_MAX - 1,
      NULL},
-    {"access.allowed_gids", K_U32_LIST, OFF(allowed_gids), OFF(nallowed_gids), 0, UINT32_MAX - 1,
+    {"access.allowed_gids", K_GID_LIST, OFF(allowed_gids), OFF(nallowed_gids), 0, UINT32_MAX - 1,
      NULL},
     {"backend", K_ENUM, OFF(backend), 0, 0, 0, backend_choices},
     U32("device", device, 0, 1023),
@@ -87,6 +90,9 @@ static const key_spec schema[] = {
      NULL},
     U32("batching.max_queued_requests", max_queued_requests, 1, 1u << 20),
     U32("clients.max_connections", max_connections, 1, 1u << 20),
+    U32("clients.max_connections_per_uid", max_connections_per_uid, 1, 1u << 20),
+    SIZE("clients.max_inflight_bytes_per_uid", OFF(max_inflight_bytes_per_uid),
+         KP_HELLO_MAX_FRAME_BYTES, 1ull << 44),
     SIZE("clients.output_hard_limit", OFF(output_hard_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     SIZE("clients.output_soft_limit", OFF(output_soft_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     U32("clients.output_soft_seconds", output_soft_seconds, 1, 86400),
@@ -299,6 +305,24 @@ static bool is_section(const char *path)
     return false;
 }
 
+/* A user or group name (K_UID_LIST, K_GID_LIST) as the system resolves it now. */
+static int lookup_id(key_type type, const char *name, uint32_t *id)
+{
+    char buf[4096];
+    if (type == K_UID_LIST) {
+        struct passwd pw, *found = NULL;
+        if (getpwnam_r(name, &pw, buf, sizeof(buf), &found) != 0 || !found)
+            return -1;
+        *id = (uint32_t)found->pw_uid;
+        return 0;
+    }
+    struct group gr, *found = NULL;
+    if (getgrnam_r(name, &gr, buf, sizeof(buf), &found) != 0 || !found)
+        return -1;
+    *id = (uint32_t)found->gr_gid;
+    return 0;
+}
+
 static int u32_list(walk *w, const key_spec *k, const yaml_node_t *n, uint32_t *vals,
                     uint32_t cap, uint32_t *count)
 {
@@ -312,6 +336,15 @@ static int u32_list(walk *w, const key_spec *k, const yaml_node_t *n, uint32_t *
         if (have == cap)
             return fail_at(w->e, node_mark(w->file, item), k->path, "more than %u entries",
                            cap);
+        bool names = k->type == K_UID_LIST || k->type == K_GID_LIST;
+        if (names && (*scalar(item) < '0' || *scalar(item) > '9')) {
+            uint32_t id;
+            if (lookup_id(k->type, scalar(item), &id))
+                return fail_at(w->e, node_mark(w->file, item), k->path, "no %s \"%s\" on this "
+                               "system", k->type == K_UID_LIST ? "user" : "group", scalar(item));
+            vals[have++] = id;
+            continue;
+        }
         if (parse_uint(scalar(item), false, &v) || v < k->min || v > k->max)
             return fail_at(w->e, node_mark(w->file, item), k->path,
                            "\"%s\" is not an integer in [%llu, %llu]", scalar(item),
@@ -510,7 +543,7 @@ static int walk_mapping(walk *w, const yaml_node_t *n, const char *prefix)
             rc = walk_mapping(w, vn, path);
         } else if (!k) {
             rc = fail_at(w->e, node_mark(w->file, kn), NULL, "unknown key \"%s\"", path);
-        } else if (k->type == K_U32_LIST || k->type == K_BUCKETS) {
+        } else if (k->type == K_UID_LIST || k->type == K_GID_LIST || k->type == K_BUCKETS) {
             rc = set_list(w, k, vn);
         } else if (k->type == K_LAYERS) {
             rc = set_layers(w, k, vn);
@@ -598,6 +631,12 @@ static int check(kd_config *c, cerr *e)
         return fail_at(e, mark_of(c, "clients.output_hard_limit"), "clients.output_hard_limit",
                        "%llu is below limits.max_frame_bytes + 4: one response could never be "
                        "sent", (unsigned long long)c->output_hard_limit);
+    if (c->max_inflight_bytes_per_uid < c->limits.max_frame_bytes)
+        return fail_at(e, mark_of(c, "clients.max_inflight_bytes_per_uid"),
+                       "clients.max_inflight_bytes_per_uid", "%llu is below "
+                       "limits.max_frame_bytes %llu: a frame of the largest size could never "
+                       "be admitted", (unsigned long long)c->max_inflight_bytes_per_uid,
+                       (unsigned long long)c->limits.max_frame_bytes);
     if (c->output_soft_limit > c->output_hard_limit)
         return fail_at(e, mark_of(c, "clients.output_soft_limit"), "clients.output_soft_limit",
                        "%llu is above clients.output_hard_limit %llu",

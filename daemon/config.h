@@ -52,7 +52,7 @@ typedef struct kd_config {
     char *socket_path;        /* "" = $XDG_RUNTIME_DIR/kdad.sock or /run/kdad/kdad.sock */
     uint32_t socket_mode;     /* permission bits of the socket file */
     char *socket_group;       /* "" = the daemon's group */
-    /* access [reload] */
+    /* access [reload]; the file may name users and groups, resolved at load (access.h) */
     uint32_t *allowed_uids;   /* empty uids and gids: everyone who can open the socket */
     uint32_t nallowed_uids;
     uint32_t *allowed_gids;
@@ -73,6 +73,8 @@ typedef struct kd_config {
     uint32_t max_queued_requests;
     /* clients [reload] */
     uint32_t max_connections;
+    uint32_t max_connections_per_uid;     /* quota.h */
+    uint64_t max_inflight_bytes_per_uid;  /* unanswered request frame bytes; quota.h */
     uint64_t output_hard_limit;
     uint64_t output_soft_limit;
     uint32_t output_soft_seconds;

@@ -53,21 +53,6 @@ uint64_t kd_conn_owner(const kd_conn *c)
     return c->d->cfg.slots_persist ? (1ull << 63) | c->peer.uid : c->serial;
 }
 
-static bool peer_allowed(const kd_config *cfg, const kd_peer *p)
-{
-    if (cfg->nallowed_uids == 0 && cfg->nallowed_gids == 0)
-        return true;
-    for (uint32_t i = 0; i < cfg->nallowed_uids; i++) {
-        if (cfg->allowed_uids[i] == p->uid)
-            return true;
-    }
-    for (uint32_t i = 0; i < cfg->nallowed_gids; i++) {
-        if (cfg->allowed_gids[i] == p->gid)
-            return true;
-    }
-    return false;
-}
-
 static void set_events(kd_conn *c, int events)
 {
     if (c->poll_closed || events == c->events)
@@ -95,6 +80,38 @@ static bool can_read(const kd_conn *c)
 static void update_events(kd_conn *c)
 {
     set_events(c, (can_read(c) ? UV_READABLE : 0) | (c->out_head ? UV_WRITABLE : 0));
+}
+
+/* Whether a new connection is served: KD_DISC_COUNT, or the reason it is
+ * refused with the goodbye in e (the refusal is logged). */
+static kd_disconnect admit(kd_conn *c, kp_error *e)
+{
+    kd_daemon *d = c->d;
+    char why[sizeof(e->message)];
+    if (!kd_access_allowed(&d->cfg, c->fd, &c->peer, why, sizeof(why))) {
+        KD_NOTICE("conn %llu: pid %d refused: %s", (unsigned long long)c->serial,
+                  (int)c->peer.pid, why);
+        kp_fail(e, KP_E_PERMISSION_DENIED, "%s", why);
+        return KD_DISC_PERMISSION;
+    }
+    if (d->nconns > d->cfg.max_connections) {
+        KD_WARN("conn %llu: %u connections open, the limit is %u; refused",
+                (unsigned long long)c->serial, d->nconns - 1, d->cfg.max_connections);
+        kp_fail(e, KP_E_BUSY, "too many connections (clients.max_connections %u)",
+                d->cfg.max_connections);
+        return KD_DISC_TOO_MANY;
+    }
+    if (kd_quota_connect(&d->quota, c->peer.uid, d->cfg.max_connections_per_uid, e) != KP_OK) {
+        KD_NOTICE("conn %llu: pid %d refused: %s", (unsigned long long)c->serial,
+                  (int)c->peer.pid, e->message);
+        return e->code == KP_E_QUOTA_EXCEEDED ? KD_DISC_QUOTA : KD_DISC_IO_ERROR;
+    }
+    c->uid_counted = true;
+    if (d->draining) {
+        kp_fail(e, KP_E_SHUTTING_DOWN, "the daemon is shutting down");
+        return KD_DISC_SHUTDOWN;
+    }
+    return KD_DISC_COUNT;
 }
 
 kd_conn *kd_conn_new(kd_daemon *d, int fd, const kd_peer *peer)
@@ -129,24 +146,11 @@ kd_conn *kd_conn_new(kd_daemon *d, int fd, const kd_peer *peer)
              (int)peer->pid, (unsigned)peer->uid, (unsigned)peer->gid);
 
     kp_error e;
-    if (!peer_allowed(&d->cfg, peer)) {
-        KD_NOTICE("conn %llu: uid %u gid %u is not allowed; refused", (unsigned long long)c->serial,
-                  (unsigned)peer->uid, (unsigned)peer->gid);
-        kp_fail(&e, KP_E_PERMISSION_DENIED, "uid %u / gid %u may not use this daemon",
-                (unsigned)peer->uid, (unsigned)peer->gid);
-        kd_conn_close(c, KD_DISC_PERMISSION, &e);
-    } else if (d->nconns > d->cfg.max_connections) {
-        KD_WARN("conn %llu: %u connections open, the limit is %u; refused",
-                (unsigned long long)c->serial, d->nconns - 1, d->cfg.max_connections);
-        kp_fail(&e, KP_E_BUSY, "too many connections (clients.max_connections %u)",
-                d->cfg.max_connections);
-        kd_conn_close(c, KD_DISC_TOO_MANY, &e);
-    } else if (d->draining) {
-        kp_fail(&e, KP_E_SHUTTING_DOWN, "the daemon is shutting down");
-        kd_conn_close(c, KD_DISC_SHUTDOWN, &e);
-    } else {
+    kd_disconnect refused = admit(c, &e);
+    if (refused != KD_DISC_COUNT)
+        kd_conn_close(c, refused, &e);
+    else
         update_events(c);
-    }
     return c;
 }
 
@@ -188,6 +192,8 @@ void kd_conn_close(kd_conn *c, kd_disconnect reason, const kp_error *goodbye)
     KD_DEBUG("conn %llu: closing (%s)", (unsigned long long)c->serial, kd_disconnect_name(reason));
     c->closing = true;
     d->nconns--;
+    if (c->uid_counted)
+        kd_quota_disconnect(&d->quota, c->peer.uid);
     d->stats.disconnects[reason]++;
     c->close_deadline = uv_hrtime() + (uint64_t)KD_CLOSE_FLUSH_MS * 1000000;
 

@@ -33,6 +33,7 @@
 
 #include <uv.h>
 
+#include "access.h"
 #include "kdaproto.h"
 #include "region.h"
 #include "sched.h"
@@ -53,13 +54,6 @@ typedef struct kd_out {
     uint32_t nkeep, keep_cap;
 } kd_out;
 
-/* The peer, from SO_PEERCRED at accept time. */
-typedef struct kd_peer {
-    pid_t pid;
-    uid_t uid;
-    gid_t gid;
-} kd_peer;
-
 typedef struct kd_conn {
     kd_daemon *d;
     uint64_t serial;           /* >= 1, unique per daemon start (slot owner key) */
@@ -67,6 +61,7 @@ typedef struct kd_conn {
     uv_poll_t poll;
     int events;                /* UV_READABLE / UV_WRITABLE now polled */
     kd_peer peer;
+    bool uid_counted;          /* counts toward its uid's connections (quota.h) */
 
     kp_reader reader;
     uint8_t *rbuf;             /* KD_READ_BUFFER_BYTES */
@@ -99,8 +94,9 @@ typedef struct kd_conn {
 
 /*
  * Adopts an accepted socket (non-blocking): checks the peer against the
- * access lists and the connection limit (refusing with a goodbye), and
- * starts reading.  Returns NULL only without memory (the fd is closed).
+ * access lists (access.h), the connection limit and its uid's connection
+ * quota (quota.h), refusing with a goodbye, and starts reading.  Returns
+ * NULL only without memory (the fd is closed).
  */
 kd_conn *kd_conn_new(kd_daemon *d, int fd, const kd_peer *peer);
 

@@ -591,6 +591,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         d->ov = *ov;
     d->instance = random_u64();
     kd_stats_init(&d->stats, uv_hrtime());
+    kd_quota_init(&d->quota);
     d->session.geometry = (kp_geometry){d->cfg.heads, KP_HEAD_DIM, d->cfg.slots,
                                         d->cfg.state_dtype};
     d->session.limits = d->cfg.limits;
@@ -658,6 +659,7 @@ void kd_daemon_destroy(kd_daemon *d)
     }
     kd_sched_destroy(&d->sched);
     kd_pool_destroy(&d->pool);
+    kd_quota_destroy(&d->quota);
     free(d->form_scratch);
     kd_config_free(&d->cfg);
 }

@@ -35,6 +35,7 @@
 #include "layer.h"
 #include "notify.h"
 #include "pool.h"
+#include "quota.h"
 #include "sched.h"
 #include "server.h"
 #include "stats.h"
@@ -52,6 +53,7 @@ struct kd_daemon {
 
     kd_backend *backend;
     kd_pool pool;
+    kd_quota quota;            /* per-uid connections and unanswered bytes */
     kd_sched sched;
     kd_layers layers;
     kd_stats stats;

@@ -41,6 +41,7 @@ static void finish(kd_req *r, kd_out *o)
     r->prev = r->next = NULL;
     c->inflight--;
     c->inflight_bytes -= r->body_len;
+    kd_quota_refund(&d->quota, c->peer.uid, r->body_len);
     d->stats.requests++;
     if (o)
         kd_conn_send(c, o);
@@ -565,6 +566,11 @@ void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_n
     c->inflight++;
     c->inflight_bytes += len;
     kd_conn_ref(c);
+    /* Charged in every case: finish() gives it back. */
+    int qrc = kd_quota_charge(&c->d->quota, c->peer.uid, len, c->d->cfg.max_inflight_bytes_per_uid,
+                              rc == KP_OK ? &e : NULL);
+    if (rc == KP_OK)
+        rc = qrc;
     if (rc != KP_OK)
         kd_req_fail(r, &e); /* e.g. params not a map: answered on the id, then closed */
     else

@@ -1,7 +1,7 @@
 /*
  * server.c - see server.h.
  */
-#define _GNU_SOURCE /* accept4, struct ucred */
+#define _GNU_SOURCE /* accept4 */
 #include "server.h"
 
 #include <errno.h>
@@ -41,14 +41,12 @@ static void on_accept(uv_poll_t *h, int status, int events)
             }
             return;
         }
-        struct ucred cred;
-        socklen_t len = sizeof(cred);
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+        kd_peer peer;
+        if (kd_peer_read(fd, &peer) != 0) {
             KD_WARN("SO_PEERCRED: %s; connection dropped", strerror(errno));
             close(fd);
             continue;
         }
-        kd_peer peer = {cred.pid, cred.uid, cred.gid};
         kd_conn_new(s->d, fd, &peer);
     }
 }

@@ -20,6 +20,7 @@
     X(OUTPUT_LIMIT, "output_limit")       /* unread responses over the limit */ \
     X(PERMISSION, "permission")           /* peer not in the access lists */    \
     X(TOO_MANY, "too_many_connections")   /* clients.max_connections reached */ \
+    X(QUOTA, "quota")                     /* its uid's connection quota reached */ \
     X(IO_ERROR, "io_error")               /* read or write failed */            \
     X(SHUTDOWN, "shutdown")               /* kdad drained and exits */          \
     X(DEVICE_FAILED, "device_failed")     /* the device failed; kdad exits */

@@ -67,6 +67,8 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.ngraph_buckets, 0);
     assert_int_equal(c.max_queued_requests, KD_DEFAULT_MAX_QUEUED_REQUESTS);
     assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
+    assert_int_equal(c.max_connections_per_uid, KD_DEFAULT_MAX_CONNECTIONS_PER_UID);
+    assert_int_equal(c.max_inflight_bytes_per_uid, KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID);
     assert_int_equal(c.output_hard_limit, KD_DEFAULT_OUTPUT_HARD_LIMIT);
     assert_int_equal(c.output_soft_limit, KD_DEFAULT_OUTPUT_SOFT_LIMIT);
     assert_int_equal(c.output_soft_seconds, KD_DEFAULT_OUTPUT_SOFT_SECONDS);
@@ -86,7 +88,8 @@ static void test_builtin_default(void **unused)
         "max_batch_tokens:", "max_batch_seqs:", "max_seqs_per_request:",
         "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
         "max_inflight_bytes:", "max_layers:", "batching:", "graph_buckets:",
-        "max_queued_requests:", "clients:", "max_connections:", "output_hard_limit:",
+        "max_queued_requests:", "clients:", "max_connections:", "max_connections_per_uid:",
+        "max_inflight_bytes_per_uid:", "output_hard_limit:",
         "output_soft_limit:", "output_soft_seconds:", "transports:", "shm:", "cuda_ipc:",
         "layers:", "lower_bound:", "scale:", "A_log:", "dt_bias:", "file:", "log:", "level:",
         "metrics:", "prometheus_file:", "interval_ms:", "drain_timeout_ms:"};
@@ -156,8 +159,17 @@ static void test_bad_values_name_the_place(void **unused)
     refused("socket:\n  mode: 0999\n",
             "t.yaml:2:9: socket.mode: \"0999\" is not an octal permission mode like 0660");
     refused("slots_persist: yes\n", "t.yaml:1:16: slots_persist: \"yes\" is not true or false");
-    refused("access:\n  allowed_uids: [0, x]\n",
-            "t.yaml:2:21: access.allowed_uids: \"x\" is not an integer in [0, 4294967294]");
+    refused("access:\n  allowed_uids: [0, 4294967295]\n",
+            "t.yaml:2:21: access.allowed_uids: \"4294967295\" is not an integer in "
+            "[0, 4294967294]");
+    refused("access:\n  allowed_uids: [0, no-such-user.kdad]\n",
+            "t.yaml:2:21: access.allowed_uids: no user \"no-such-user.kdad\" on this system");
+    refused("access:\n  allowed_gids: [no-such-group.kdad]\n",
+            "t.yaml:2:18: access.allowed_gids: no group \"no-such-group.kdad\" on this system");
+    refused("clients:\n  max_inflight_bytes_per_uid: 64MiB\n",
+            "t.yaml:2:31: clients.max_inflight_bytes_per_uid: 67108864 is below "
+            "limits.max_frame_bytes 268435456: a frame of the largest size could never be "
+            "admitted");
     /* whole-config rules point at the key that breaks them */
     refused("limits:\n  max_inline_bytes: 300MiB\n",
             "t.yaml:2:21: limits.max_inline_bytes: 314572800 must be in [1, max_frame_bytes "

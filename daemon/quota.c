@@ -1,0 +1,95 @@
+/*
+ * quota.c - see quota.h.
+ */
+#include "quota.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void kd_quota_init(kd_quota *q)
+{
+    memset(q, 0, sizeof(*q));
+}
+
+void kd_quota_destroy(kd_quota *q)
+{
+    free(q->v);
+    memset(q, 0, sizeof(*q));
+}
+
+static kd_uid_use *find(const kd_quota *q, uid_t uid)
+{
+    for (uint32_t i = 0; i < q->n; i++) {
+        if (q->v[i].uid == uid)
+            return &q->v[i];
+    }
+    return NULL;
+}
+
+/* Drops an entry that holds nothing any more. */
+static void prune(kd_quota *q, kd_uid_use *u)
+{
+    if (u->connections == 0 && u->inflight_bytes == 0)
+        *u = q->v[--q->n];
+}
+
+kd_uid_use kd_quota_use(const kd_quota *q, uid_t uid)
+{
+    const kd_uid_use *u = find(q, uid);
+    return u ? *u : (kd_uid_use){uid, 0, 0};
+}
+
+int kd_quota_connect(kd_quota *q, uid_t uid, uint32_t max, kp_error *err)
+{
+    kd_uid_use *u = find(q, uid);
+    if (u && u->connections >= max)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "uid %u has %u connections open, the most "
+                       "clients.max_connections_per_uid allows", (unsigned)uid, u->connections);
+    if (!u) {
+        if (q->n == q->cap) {
+            uint32_t cap = q->cap ? 2 * q->cap : 8;
+            kd_uid_use *v = realloc(q->v, cap * sizeof(*v));
+            if (!v)
+                return kp_fail(err, KP_E_NO_MEMORY, "no memory for the per-uid quota table");
+            q->v = v;
+            q->cap = cap;
+        }
+        u = &q->v[q->n++];
+        *u = (kd_uid_use){uid, 0, 0};
+    }
+    u->connections++;
+    return KP_OK;
+}
+
+void kd_quota_disconnect(kd_quota *q, uid_t uid)
+{
+    kd_uid_use *u = find(q, uid);
+    if (!u || u->connections == 0)
+        return; /* not counted: nothing to give back */
+    u->connections--;
+    prune(q, u);
+}
+
+int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max, kp_error *err)
+{
+    kd_uid_use *u = find(q, uid);
+    if (!u)
+        return kp_fail(err, KP_E_INTERNAL, "uid %u charged without a connection",
+                       (unsigned)uid);
+    u->inflight_bytes += bytes;
+    if (u->inflight_bytes > max)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "uid %u would hold %llu bytes of unanswered "
+                       "requests, above clients.max_inflight_bytes_per_uid %llu; wait for "
+                       "responses", (unsigned)uid, (unsigned long long)u->inflight_bytes,
+                       (unsigned long long)max);
+    return KP_OK;
+}
+
+void kd_quota_refund(kd_quota *q, uid_t uid, uint64_t bytes)
+{
+    kd_uid_use *u = find(q, uid);
+    if (!u)
+        return;
+    u->inflight_bytes -= bytes < u->inflight_bytes ? bytes : u->inflight_bytes;
+    prune(q, u);
+}
