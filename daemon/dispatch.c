@@ -177,6 +177,9 @@ static void do_hello(kd_req *r)
     res.geometry = c->session.geometry;
     res.transports = transports(d);
     res.slots_persist = d->cfg.slots_persist;
+    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS};
+    res.features = features;
+    res.nfeatures = sizeof(features) / sizeof(features[0]);
     res.limits = c->session.limits;
     kd_out *o = kd_req_frame(r);
     if (o)
@@ -206,18 +209,30 @@ static void do_stats(kd_req *r)
 {
     kd_daemon *d = r->conn->d;
     kp_error e;
-    if (kp_stats_params_decode(&r->msg, &r->conn->session, &e) != KP_OK) {
+    uint32_t flags;
+    if (kp_stats_params_decode2(&r->msg, &r->conn->session, &flags, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
     kd_stats_gauges g;
     kd_stats_view v;
     kp_stats_result res;
+    uint64_t now = uv_hrtime();
     kd_daemon_gauges(d, &g);
-    kd_stats_result(&d->stats, &g, uv_hrtime(), &v, &res);
+    kd_stats_result(&d->stats, &g, now, &v, &res);
+    char *text = NULL;
+    if (flags & KP_STATS_PROMETHEUS) {
+        /* The same rendering as the metrics file, from the same counters. */
+        if (!(text = kd_stats_prometheus(&d->stats, &g, now))) {
+            fail_with(r, KP_E_NO_MEMORY, "no memory for the Prometheus text");
+            return;
+        }
+        res.prometheus = text;
+    }
     kd_out *o = kd_req_frame(r);
     if (o)
         kd_req_reply(r, o, kp_stats_result_encode(&o->w, r->id, &res, &e), &e);
+    free(text);
 }
 
 static void do_layer_register(kd_req *r)

@@ -554,10 +554,20 @@ typedef struct kp_stats_result {
     uint32_t ndisconnects;
     uint64_t bytes_in[KP_TRANSPORT_ID_COUNT];  /* tensor bytes read, by transport */
     uint64_t bytes_out[KP_TRANSPORT_ID_COUNT]; /* tensor bytes written, by transport */
+    const char *prometheus;      /* the same numbers in the Prometheus text format, when
+                                    asked for (KP_STATS_PROMETHEUS); else NULL */
 } kp_stats_result;
 
-int kp_stats_params_encode(kp_writer *w, uint32_t id, kp_error *err);
+/* Feature announced in hello when stats takes {"format": "prometheus"}. */
+#define KP_FEATURE_STATS_PROMETHEUS "stats.prometheus"
+/* stats flags */
+#define KP_STATS_PROMETHEUS 0x1u /* also return the Prometheus text exposition */
+
+int kp_stats_params_encode(kp_writer *w, uint32_t id, kp_error *err);   /* flags 0 */
+int kp_stats_params_encode2(kp_writer *w, uint32_t id, uint32_t flags, kp_error *err);
+/* Checks the params; _decode2 also returns the KP_STATS_* flags asked for. */
 int kp_stats_params_decode(kp_msg *msg, const kp_session *s, kp_error *err);
+int kp_stats_params_decode2(kp_msg *msg, const kp_session *s, uint32_t *flags, kp_error *err);
 int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, kp_error *err);
 int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err);
 

@@ -288,14 +288,41 @@ int kp_health_params_decode(kp_msg *msg, const kp_session *s, kp_error *err)
     return decode_no_params(msg, err);
 }
 
+static const char *const stats_params_fields[] = {"format", NULL};
+static const char *const stats_format_names[] = {"map", "prometheus", NULL};
+
 int kp_stats_params_encode(kp_writer *w, uint32_t id, kp_error *err)
 {
-    return encode_no_params(w, id, KP_METHOD_STATS, err);
+    return kp_stats_params_encode2(w, id, 0, err);
+}
+
+int kp_stats_params_encode2(kp_writer *w, uint32_t id, uint32_t flags, kp_error *err)
+{
+    if (flags & ~KP_STATS_PROMETHEUS)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "flags: 0x%x has unknown bits", flags);
+    if (!(flags & KP_STATS_PROMETHEUS))
+        return encode_no_params(w, id, KP_METHOD_STATS, err);
+    enc_request(w, id, KP_METHOD_STATS, 1);
+    enc_kv_str(w, "format", stats_format_names[1]);
+    return enc_finish(w, err);
 }
 
 int kp_stats_params_decode(kp_msg *msg, const kp_session *s, kp_error *err)
 {
-    return decode_no_params(msg, err);
+    uint32_t flags;
+    return kp_stats_params_decode2(msg, s, &flags, err);
+}
+
+int kp_stats_params_decode2(kp_msg *msg, const kp_session *s, uint32_t *flags, kp_error *err)
+{
+    dec_fields f;
+    int format = 0;
+    bool has_format;
+    int rc = dec_params(&f, msg, stats_params_fields, err);
+    if (rc || (rc = dec_enum(&f, "format", stats_format_names, &format, &has_format, err)))
+        return rc;
+    *flags = format == 1 ? KP_STATS_PROMETHEUS : 0;
+    return KP_OK;
 }
 
 int kp_layer_list_params_encode(kp_writer *w, uint32_t id, kp_error *err)
@@ -347,7 +374,8 @@ int kp_health_result_decode(kp_msg *msg, kp_health_result *r, kp_error *err)
 
 static const char *const stats_fields[] = {
     "uptime_us", "connections", "connections_total", "requests", "batches", "seqs", "tokens",
-    "latency_us", "pool", "layers", "regions", "errors", "disconnects", "transport_bytes", NULL};
+    "latency_us", "pool", "layers", "regions", "errors", "disconnects", "transport_bytes",
+    "prometheus", NULL};
 static const char *const latency_fields[] = {"count", "p50", "p90", "p99", "max", "bounds",
                                              "counts", NULL};
 static const char *const pool_fields[] = {"slots", "used", "lost", NULL};
@@ -384,7 +412,7 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         if (rc)
             return rc;
     }
-    enc_result(w, id, 14);
+    enc_result(w, id, r->prometheus ? 15 : 14);
     enc_kv_u64(w, "uptime_us", r->uptime_us);
     enc_kv_u64(w, "connections", r->connections);
     enc_kv_u64(w, "connections_total", r->connections_total);
@@ -422,6 +450,8 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         enc_kv_u64(w, "in", r->bytes_in[t]);
         enc_kv_u64(w, "out", r->bytes_out[t]);
     }
+    if (r->prometheus)
+        enc_kv_str(w, "prometheus", r->prometheus);
     return enc_finish(w, err);
 }
 
@@ -534,6 +564,7 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
 {
     dec_fields f;
     const msgpack_object *latency, *pool, *errors, *disconnects, *bytes;
+    bool has_prometheus;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, stats_fields, err);
     if (rc || (rc = dec_u64(&f, "uptime_us", 0, UINT64_MAX, &r->uptime_us, NULL, err)) ||
@@ -554,7 +585,8 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
         (rc = decode_latency(msg, latency, r, err)) || (rc = decode_pool(msg, pool, r, err)) ||
         (rc = decode_counters(msg, errors, "errors", &r->errors, &r->nerrors, err)) ||
         (rc = decode_counters(msg, disconnects, "disconnects", &r->disconnects,
-                              &r->ndisconnects, err)))
+                              &r->ndisconnects, err)) ||
+        (rc = dec_str(&f, "prometheus", 0, UINT32_MAX, &r->prometheus, &has_prometheus, err)))
         return rc;
     return decode_transport_bytes(msg, bytes, r, err);
 }

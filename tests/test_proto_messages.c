@@ -148,6 +148,19 @@ static void test_health_stats_round_trip(void **state)
     open_request(&x, KP_METHOD_STATS, 6);
     assert_int_equal(kp_stats_params_decode(&x.msg, &test_session, &err), KP_OK);
     wire_close(&x);
+    /* {"format": "prometheus"} (feature stats.prometheus) */
+    uint32_t flags = 99;
+    ENC(kp_stats_params_encode2(&test_writer, 6, 0, &enc_err_));
+    open_request(&x, KP_METHOD_STATS, 6);
+    assert_int_equal(kp_stats_params_decode2(&x.msg, &test_session, &flags, &err), KP_OK);
+    assert_int_equal(flags, 0);
+    wire_close(&x);
+    ENC(kp_stats_params_encode2(&test_writer, 6, KP_STATS_PROMETHEUS, &enc_err_));
+    open_request(&x, KP_METHOD_STATS, 6);
+    assert_int_equal(kp_stats_params_decode2(&x.msg, &test_session, &flags, &err), KP_OK);
+    assert_int_equal(flags, KP_STATS_PROMETHEUS);
+    wire_close(&x);
+    assert_int_equal(kp_stats_params_encode2(&test_writer, 6, 0x8, &err), KP_E_INVALID_PARAMS);
 
     static const uint64_t bounds[] = {50, 100, 1000, 10000};
     static const uint64_t counts[] = {1, 2, 3, 4, 5};
@@ -194,6 +207,15 @@ static void test_health_stats_round_trip(void **state)
     assert_int_equal(g.disconnects[0].value, 10);
     assert_memory_equal(g.bytes_in, s.bytes_in, sizeof(s.bytes_in));
     assert_memory_equal(g.bytes_out, s.bytes_out, sizeof(s.bytes_out));
+    assert_null(g.prometheus);
+    wire_close(&x);
+
+    s.prometheus = "# TYPE kdad_requests_total counter\nkdad_requests_total 4\n";
+    ENC(kp_stats_result_encode(&test_writer, 7, &s, &enc_err_));
+    open_result(&x, 7);
+    DEC(kp_stats_result_decode(&x.msg, &g, &dec_err_));
+    assert_string_equal(g.prometheus, s.prometheus);
+    assert_int_equal(g.requests, 4);
     wire_close(&x);
 }
 

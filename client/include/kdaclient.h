@@ -582,6 +582,16 @@ typedef struct kdac_stats_info {
 
 KDAC_EXPORT int kdac_stats(kdac_client *c, kdac_stats_info *res, kdac_error *err);
 
+/*
+ * The same counters in the Prometheus text exposition format (0.0.4), as the
+ * daemon renders them for its metrics file (metrics.prometheus_file), with
+ * HELP and TYPE lines.  On success *text is a NUL-terminated string the caller
+ * releases with free(); on failure it is NULL.  Errors: NOT_SUPPORTED when
+ * the daemon does not announce the "stats.prometheus" feature in hello,
+ * INVALID_ARGUMENT, and those of kdac_stats.
+ */
+KDAC_EXPORT int kdac_stats_prometheus(kdac_client *c, char **text, kdac_error *err);
+
 /* ------------------------------------------------------------------------ */
 /* Layers (blocking only: they are set up once)                              */
 /* ------------------------------------------------------------------------ */

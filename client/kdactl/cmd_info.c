@@ -314,18 +314,56 @@ static void stats_text(const kdac_stats_info *s)
     }
 }
 
+/* stats --prometheus: the daemon's own rendering, printed as it comes. */
+static int stats_prometheus(ctl *g)
+{
+    kdac_client *c;
+    int rc = ctl_connect(g, &c);
+    if (rc)
+        return rc;
+    char *text;
+    kdac_error err;
+    rc = kdac_stats_prometheus(c, &text, &err);
+    kdac_client_close(c);
+    if (rc)
+        return ctl_fail(g, "stats", &err);
+    fputs(text, stdout);
+    free(text);
+    return EXIT_OK;
+}
+
 int cmd_stats(ctl *g, int argc, char **argv)
 {
-    int rc = simple_options("stats",
-                            "Usage: kdactl stats\n"
-                            "Prints the daemon's counters since it started: connections,\n"
-                            "requests, prefill sequences and tokens, latency percentiles, pool\n"
-                            "use, errors by name, disconnects by reason, bytes by transport.\n",
-                            argc, argv, NULL);
-    if (rc >= 0)
-        return rc;
+    static const char help[] =
+        "Usage: kdactl stats [--prometheus]\n"
+        "Prints the daemon's counters since it started: connections,\n"
+        "requests, prefill sequences and tokens, latency percentiles, pool\n"
+        "use, errors by name, disconnects by reason, bytes by transport.\n"
+        "  -p, --prometheus  the same counters in the Prometheus text format, as the\n"
+        "                    daemon renders them (its metrics.prometheus_file)\n";
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'}, {"prometheus", no_argument, NULL, 'p'},
+        {NULL, 0, NULL, 0}};
+    bool prometheus = false;
+    int o;
+    while ((o = getopt_long(argc, argv, "hp", opts, NULL)) != -1) {
+        if (o == 'h') {
+            fputs(help, stdout);
+            return EXIT_OK;
+        }
+        if (o != 'p')
+            return ctl_usage("stats", "unknown option");
+        prometheus = true;
+    }
+    if (optind < argc)
+        return ctl_usage("stats", "unexpected argument '%s'", argv[optind]);
+    if (prometheus && g->json)
+        return ctl_usage("stats", "--prometheus and --json are two different outputs");
+    if (prometheus)
+        return stats_prometheus(g);
     kdac_client *c;
-    if ((rc = ctl_connect(g, &c)))
+    int rc = ctl_connect(g, &c);
+    if (rc)
         return rc;
     kdac_stats_info s;
     kdac_error err;

@@ -658,6 +658,48 @@ int kdac_stats(kdac_client *c, kdac_stats_info *res, kdac_error *err)
     return sync_wait(c, &s, err);
 }
 
+static int prometheus_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res,
+                             kp_error *err)
+{
+    kp_stats_result r;
+    int rc = kp_stats_result_decode(msg, &r, err);
+    if (rc)
+        return rc;
+    if (!r.prometheus)
+        return kp_fail(err, KP_E_PROTOCOL, "prometheus: the daemon announced %s but sent no "
+                       "text", KP_FEATURE_STATS_PROMETHEUS);
+    if (!(*p->ctx.prometheus = strdup(r.prometheus)))
+        return kp_fail(err, KP_E_NO_MEMORY, "no memory for the Prometheus text");
+    return KP_OK;
+}
+
+int kdac_stats_prometheus(kdac_client *c, char **text, kdac_error *err)
+{
+    sync_call s;
+    int rc = sync_begin(c, &s, err);
+    if (rc)
+        return rc;
+    if (!text)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "text is NULL");
+    *text = NULL;
+    bool announced = false;
+    for (uint32_t i = 0; i < c->info.nfeatures && !announced; i++)
+        announced = strcmp(c->info.features[i], KP_FEATURE_STATS_PROMETHEUS) == 0;
+    if (!announced)
+        return kdac_fail(err, KDAC_E_NOT_SUPPORTED, "this daemon does not announce %s: it "
+                         "cannot render its stats in the Prometheus format",
+                         KP_FEATURE_STATS_PROMETHEUS);
+    pending *p = start(c, KP_METHOD_STATS, sync_cb, &s, prometheus_decode, err);
+    if (!p)
+        return err ? err->code : KDAC_E_NO_MEMORY;
+    p->ctx.prometheus = text;
+    kp_error e;
+    if ((rc = finish(c, p, kp_stats_params_encode2(&p->w, p->id, KP_STATS_PROMETHEUS, &e), &e,
+                     err)))
+        return rc;
+    return sync_wait(c, &s, err);
+}
+
 /* ---------------------------------------------------------------------- */
 /* layer.register, layer.list, layer.drop                                 */
 /* ---------------------------------------------------------------------- */

@@ -59,6 +59,7 @@ struct pending {
             kp_dtype dtype;
         } read;
         kdac_stats_info *stats;
+        char **prometheus;        /* kdac_stats_prometheus: the malloc'd text */
         struct {
             kdac_layer_info *layers;
             uint32_t cap;
