@@ -4,16 +4,18 @@
 # machine and carried in .device/ (see scripts/gpu-bundle.sh).  Full logs go
 # to $OUT; a short summary is printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [profile]   (default: all)
+#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [profile] [daemon] [e2e]
+#   (default: all).  The daemon suites find kdad under the build directory they
+#   were compiled for, so `daemon` recreates that path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kdad-gpu}
 mkdir -p "$out" /tmp/debs
 for f in .device/debs/*.deb; do dpkg -x "$f" /tmp/debs; done
-export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH=$PWD/.device/bin:/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KDAD_GOLDEN_DIR=$PWD/.device/golden
 export KDA_TEST_SEED=${KDA_TEST_SEED:-$(date +%s)}
-steps=${*:-layout kernel sanitize bench profile}
+steps=${*:-layout kernel sanitize bench profile daemon e2e}
 bin=.device/bin
 declare -A status
 
@@ -28,6 +30,14 @@ for step in $steps; do
                 $bin/test_cuda_kernel > "$out/racecheck.log" 2>&1; (exit $((rc | $?))) ;;
     bench)    timeout 400 $bin/bench_kernel --json "$out/h200-kernel.json" > "$out/bench.log" 2>&1 ;;
     profile)  timeout 300 $bin/bench_kernel_profile --reps 3 > "$out/profile.log" 2>&1 ;;
+    daemon)   built=$(strings $bin/test_daemon_cuda | grep -m1 -E '^/.*build[^/]*$')
+              mkdir -p "$built/daemon" "$built/client" && cp $bin/kdad "$built/daemon/" && cp $bin/kdactl "$built/client/"
+              rc=0
+              for t in test_daemon_cuda test_daemon_shm_cuda test_daemon_cuda_ipc; do
+                timeout 300 $bin/$t >> "$out/daemon.log" 2>&1 || rc=1
+              done
+              (exit $rc) ;;
+    e2e)      OUT=$out timeout 500 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
     *)        echo "unknown step $step"; continue ;;
   esac
   status[$step]=$?
@@ -41,6 +51,8 @@ for step in $steps; do
     sanitize) grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|Error|hazard' "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null | sort | uniq -c | head ;;
     bench)    tail -16 "$out/bench.log" ;;
     profile)  grep '^profile' "$out/profile.log" | sed 's/cycles per chunk://' ;;
+    daemon)   grep -E 'PASSED|FAILED|SKIP|tests? run' "$out/daemon.log" | tail -12 ;;
+    e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done
