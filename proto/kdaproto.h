@@ -484,7 +484,7 @@ typedef struct kp_hello_result {
     kp_geometry geometry;
     uint32_t transports;       /* KP_TRANSPORT_* */
     bool slots_persist;        /* slots survive their connection (§Slots) */
-    const char *const *features; /* optional extensions on (none in v1.0) */
+    const char *const *features; /* optional extensions on (KP_FEATURE_*) */
     uint32_t nfeatures;
     kp_limits limits;
 } kp_hello_result;
