@@ -581,11 +581,14 @@ void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_n
     c->inflight++;
     c->inflight_bytes += len;
     kd_conn_ref(c);
-    /* Charged in every case: finish() gives it back. */
-    int qrc = kd_quota_charge(&c->d->quota, c->peer.uid, len, c->d->cfg.max_inflight_bytes_per_uid,
-                              rc == KP_OK ? &e : NULL);
-    if (rc == KP_OK)
-        rc = qrc;
+    /* The frame counts toward its uid's unanswered bytes in every case
+     * (finish() gives them back); a decoding error takes precedence. */
+    kp_error qe;
+    if (kd_quota_charge(&c->d->quota, c->peer.uid, len, c->d->cfg.max_inflight_bytes_per_uid,
+                        &qe) != KP_OK && rc == KP_OK) {
+        rc = qe.code;
+        e = qe;
+    }
     if (rc != KP_OK)
         kd_req_fail(r, &e); /* e.g. params not a map: answered on the id, then closed */
     else
