@@ -6,7 +6,8 @@
 #           accepting the installed configuration, and a reinstall that keeps an edited
 #           /etc/kdad/kdad.yaml.  Another prefix configures the unit for itself.
 #   units   the installed units through systemd's own tools, offline: systemd-analyze
-#           verify (any warning fails), systemd-analyze security (exposure at most 2.0),
+#           verify (any warning fails; man: links checked when man(1) is present, the man
+#           pages linted when groff is), systemd-analyze security (exposure at most 2.0),
 #           systemd-sysusers and systemd-tmpfiles applied to the DESTDIR as a root.
 #           Exits 77 (skipped) and says so when these tools are not installed.
 set -euo pipefail
@@ -105,6 +106,15 @@ units)
   if ! out=$(MANPATH=$dest/usr/share/man systemd-analyze verify --man=$man \
                "$check/kdad.service" "$check/kdad.socket" 2>&1) || [ -n "$out" ]; then
     fail "systemd-analyze verify: $out"
+  fi
+  # The man pages the units point to: no groff warning (when groff is there to ask).
+  if command -v groff >/dev/null; then
+    for page in man8/kdad.8 man1/kdactl.1; do
+      out=$(groff -man -ww -z "$dest/usr/share/man/$page" 2>&1)
+      [ -z "$out" ] || fail "groff warns about $page: $out"
+    done
+  else
+    echo "note: groff absent, man pages not linted"
   fi
   if ! out=$(systemd-analyze security --offline=true --threshold=20 "$check/kdad.service" 2>&1); then
     fail "systemd-analyze security: exposure above 2.0: $(echo "$out" | tail -1)"
