@@ -5,7 +5,9 @@
  * socket of the test stands in for systemd's NOTIFY_SOCKET and receives
  * READY, the watchdog pings and STOPPING.  kdactl then runs a prefill
  * through the passed socket and reads the counters back in the Prometheus
- * format (the stats method), and SIGTERM drains.
+ * format (the stats method), and SIGTERM drains.  Run as root, the test runs
+ * the launcher and kdad as nobody (65534, no groups), as kdad.service runs
+ * kdad as an unprivileged user: it needs nothing but the socket it is given.
  *
  * (test_daemon covers the same protocol with a hand-made LISTEN_FDS harness;
  * this is the real launcher.)  Exits 77 and says why without
@@ -19,12 +21,13 @@
 #include <cmocka.h>
 
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
-#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -32,6 +35,8 @@
 #include "kdad_proc.h"
 
 extern char **environ;
+
+#define NOBODY 65534
 
 static char launcher[512]; /* systemd-socket-activate, from PATH */
 static pid_t running;      /* the launcher-turned-kdad, killed by teardown if a test fails */
@@ -75,6 +80,21 @@ static bool notify_wait(int fd, const char *want, int ms, char *got, size_t size
     return false;
 }
 
+/* Copies the file at from to to (mode 0755). */
+static void copy_exe(const char *from, const char *to)
+{
+    char *buf = malloc(1 << 20);
+    int in = open(from, O_RDONLY | O_CLOEXEC), out = open(to, O_WRONLY | O_CREAT | O_EXCL, 0755);
+    assert_true(buf && in >= 0 && out >= 0);
+    ssize_t n;
+    while ((n = read(in, buf, 1 << 20)) > 0)
+        assert_int_equal(write(out, buf, (size_t)n), n);
+    assert_int_equal(n, 0);
+    close(in);
+    assert_int_equal(close(out), 0);
+    free(buf);
+}
+
 static char *slurp(const char *path)
 {
     FILE *f = fopen(path, "rb");
@@ -96,7 +116,19 @@ static void expect_in(const char *text, const char *want, const char *what)
 static void test_socket_activation_notify_prometheus(void **unused)
 {
     char dir[] = "/tmp/kdad-service-XXXXXX", sock[96], notify[96], cfg[96], log[96], got[512];
+    char exe[96];
+    bool root = geteuid() == 0;
     assert_non_null(mkdtemp(dir));
+    /* As root: kdad runs as nobody, from a copy (the build tree may be closed to it), in a
+     * folder it may create the launcher's socket in. */
+    snprintf(exe, sizeof(exe), "%s/kdad", dir);
+    if (root) {
+        copy_exe(build_path("daemon/kdad"), exe);
+        assert_int_equal(chmod(dir, 0755), 0);
+        assert_int_equal(chown(dir, NOBODY, NOBODY), 0);
+    } else {
+        snprintf(exe, sizeof(exe), "%s", build_path("daemon/kdad"));
+    }
     snprintf(sock, sizeof(sock), "%s/kdad.sock", dir);
     snprintf(notify, sizeof(notify), "%s/notify", dir);
     snprintf(cfg, sizeof(cfg), "%s/kdad.yaml", dir);
@@ -109,6 +141,7 @@ static void test_socket_activation_notify_prometheus(void **unused)
     struct sockaddr_un na = {.sun_family = AF_UNIX};
     snprintf(na.sun_path, sizeof(na.sun_path), "%s", notify);
     assert_int_equal(bind(nfd, (struct sockaddr *)&na, sizeof(na)), 0);
+    assert_int_equal(chmod(notify, 0777), 0); /* like systemd's: any service may write */
 
     /* systemd-socket-activate passes on only the variables named with -E. */
     char notify_env[128], watchdog_env[] = "WATCHDOG_USEC=400000";
@@ -122,18 +155,23 @@ static void test_socket_activation_notify_prometheus(void **unused)
             argv[n++] = passed[i];
         }
     }
-    char *kdad_args[] = {(char *)build_path("daemon/kdad"), "--config", cfg, "--backend", "cpu",
-                         NULL};
+    char *kdad_args[] = {exe, "--config", cfg, "--backend", "cpu", NULL};
     for (int i = 0; kdad_args[i]; i++)
         argv[n++] = kdad_args[i];
     argv[n] = NULL;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    pid_t pid;
-    assert_int_equal(posix_spawn(&pid, launcher, &fa, NULL, argv, environ), 0);
-    posix_spawn_file_actions_destroy(&fa);
+    int logfd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    assert_true(logfd >= 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (dup2(logfd, 1) < 0 || dup2(logfd, 2) < 0 ||
+            (root && (setgroups(0, NULL) != 0 || setgid(NOBODY) != 0 || setuid(NOBODY) != 0)))
+            _exit(126);
+        execve(launcher, argv, environ);
+        _exit(127);
+    }
+    close(logfd);
     running = pid;
 
     /* The launcher listens first; kdad starts with the first connection. */
@@ -153,6 +191,13 @@ static void test_socket_activation_notify_prometheus(void **unused)
     char *text = slurp(log);
     expect_in(text, "listening on the socket passed by systemd", "the log");
     free(text);
+    if (root) { /* the launcher became kdad, and kdad is nobody */
+        char status_path[64];
+        snprintf(status_path, sizeof(status_path), "/proc/%d/status", (int)pid);
+        text = slurp(status_path);
+        expect_in(text, "\nUid:\t65534\t65534\t65534\t65534\n", "kdad's /proc status");
+        free(text);
+    }
     assert_true(notify_wait(nfd, "WATCHDOG=1", 5000, got, sizeof(got)));
     close(first);
 
@@ -191,6 +236,8 @@ static void test_socket_activation_notify_prometheus(void **unused)
     unlink(notify);
     unlink(cfg);
     unlink(log);
+    if (root)
+        unlink(exe);
     rmdir(dir);
 }
 
