@@ -339,8 +339,7 @@ static void dispatch(kdac_client *c, uint8_t *body, size_t len)
         if (kp_goodbye_decode(&msg, &remote, &e) != KP_OK)
             client_fail(c, KDAC_E_PROTOCOL, "malformed goodbye from the daemon: %s", e.message);
         else
-            client_fail(c, remote.code, "the daemon closed the connection: %s (%s)",
-                        remote.message, kdac_err_name(remote.code));
+            client_fail(c, remote.code, "the daemon closed the connection: %s", remote.message);
     } else if (msg.kind == KP_MSG_REQUEST) {
         client_fail(c, KDAC_E_PROTOCOL, "the daemon sent a request (\"%s\"); it only answers",
                     msg.name);
