@@ -102,6 +102,15 @@ int dh_teardown(void **state)
     return 0;
 }
 
+int dh_backend_available(const char *yaml)
+{
+    dh_daemon d;
+    if (dh_start(&d, yaml) == 77)
+        return 77;
+    dh_stop(&d);
+    return 0;
+}
+
 int dh_start(dh_daemon *d, const char *yaml)
 {
     memset(d, 0, sizeof(*d));

@@ -1327,19 +1327,9 @@ static void test_systemd_activation_and_notify(void **unused)
 }
 
 /* The cuda build of this suite exits 77 (skipped) without a usable GPU. */
-static int backend_available(void)
-{
-    dh_daemon d;
-    int rc = dh_start(&d, base_yaml);
-    if (rc == 77)
-        return 77;
-    dh_stop(&d);
-    return 0;
-}
-
 int main(void)
 {
-    if (backend_available() == 77)
+    if (dh_backend_available(base_yaml) == 77)
         return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_hello_and_layers, dh_teardown),

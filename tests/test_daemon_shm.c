@@ -393,18 +393,9 @@ static void test_shm_release_and_lifetime(void **unused)
     dh_stop(&d);
 }
 
-static int backend_available(void)
-{
-    dh_daemon d;
-    if (dh_start(&d, yaml) == 77)
-        return 77;
-    dh_stop(&d);
-    return 0;
-}
-
 int main(void)
 {
-    if (backend_available() == 77)
+    if (dh_backend_available(yaml) == 77)
         return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_shm_matches_inline, dh_teardown),
