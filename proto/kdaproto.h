@@ -532,6 +532,13 @@ typedef enum kp_transport {
     KP_TRANSPORT_ID_COUNT
 } kp_transport;
 
+/* One phase of the per-batch timing breakdown (stats "batch_us"): quantiles
+ * over the daemon's recent batches, and the sum since start, microseconds. */
+typedef struct kp_phase {
+    const char *name;  /* daemon-defined, at most KP_NAME_MAX bytes ("device", "kernel", ...) */
+    uint64_t p50_us, p90_us, p99_us, sum_us;
+} kp_phase;
+
 typedef struct kp_stats_result {
     uint64_t uptime_us;
     uint32_t connections;        /* open now */
@@ -556,7 +563,15 @@ typedef struct kp_stats_result {
     uint64_t bytes_out[KP_TRANSPORT_ID_COUNT]; /* tensor bytes written, by transport */
     const char *prometheus;      /* the same numbers in the Prometheus text format, when
                                     asked for (KP_STATS_PROMETHEUS); else NULL */
+    /* "batch_us": the per-batch phase breakdown; absent from older daemons */
+    bool has_batch_phases;
+    uint64_t batch_count;        /* batches timed since start (the sums' count) */
+    uint32_t batch_window;       /* recent batches the quantiles cover */
+    const kp_phase *phases;      /* 0..KP_STATS_MAX_PHASES */
+    uint32_t nphases;
 } kp_stats_result;
+
+#define KP_STATS_MAX_PHASES 32   /* phases accepted in "batch_us" */
 
 /* Feature announced in hello when stats takes {"format": "prometheus"}. */
 #define KP_FEATURE_STATS_PROMETHEUS "stats.prometheus"
@@ -843,6 +858,9 @@ typedef struct kp_prefill_result {
     uint32_t nseqs;
     uint64_t queue_us; /* arrival to launch, microseconds */
     uint64_t run_us;   /* launch to completion of the batch that ran it, microseconds */
+    bool timed;        /* device_us and kernel_us are present (optional fields) */
+    uint64_t device_us; /* the batch's device time (cuda: GPU events; cpu: the worker's run) */
+    uint64_t kernel_us; /* of which the prefill kernel alone (0: not measured) */
 } kp_prefill_result;
 
 /* Bytes of a bf16 [len][H][128] tensor (q, k, v, g, out) and of bf16 [len][H]

@@ -375,7 +375,9 @@ int kp_health_result_decode(kp_msg *msg, kp_health_result *r, kp_error *err)
 static const char *const stats_fields[] = {
     "uptime_us", "connections", "connections_total", "requests", "batches", "seqs", "tokens",
     "latency_us", "pool", "layers", "regions", "errors", "disconnects", "transport_bytes",
-    "prometheus", NULL};
+    "prometheus", "batch_us", NULL};
+static const char *const batch_fields[] = {"count", "window", "phases", NULL};
+static const char *const phase_fields[] = {"p50", "p90", "p99", "sum", NULL};
 static const char *const latency_fields[] = {"count", "p50", "p90", "p99", "max", "bounds",
                                              "counts", NULL};
 static const char *const pool_fields[] = {"slots", "used", "lost", NULL};
@@ -412,7 +414,15 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         if (rc)
             return rc;
     }
-    enc_result(w, id, r->prometheus ? 15 : 14);
+    if (r->has_batch_phases && r->nphases > KP_STATS_MAX_PHASES)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "batch_us.phases: %u phases, at most %d",
+                       r->nphases, KP_STATS_MAX_PHASES);
+    for (uint32_t i = 0; r->has_batch_phases && i < r->nphases; i++) {
+        int rc = enc_need_str(r->phases[i].name, "batch_us.phases[].name", err);
+        if (rc)
+            return rc;
+    }
+    enc_result(w, id, 14 + (r->prometheus != NULL) + r->has_batch_phases);
     enc_kv_u64(w, "uptime_us", r->uptime_us);
     enc_kv_u64(w, "connections", r->connections);
     enc_kv_u64(w, "connections_total", r->connections_total);
@@ -452,6 +462,23 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
     }
     if (r->prometheus)
         enc_kv_str(w, "prometheus", r->prometheus);
+    if (r->has_batch_phases) {
+        enc_key(w, "batch_us");
+        enc_map(w, 3);
+        enc_kv_u64(w, "count", r->batch_count);
+        enc_kv_u64(w, "window", r->batch_window);
+        enc_key(w, "phases");
+        enc_map(w, r->nphases);
+        for (uint32_t i = 0; i < r->nphases; i++) {
+            const kp_phase *p = &r->phases[i];
+            enc_key(w, p->name);
+            enc_map(w, 4);
+            enc_kv_u64(w, "p50", p->p50_us);
+            enc_kv_u64(w, "p90", p->p90_us);
+            enc_kv_u64(w, "p99", p->p99_us);
+            enc_kv_u64(w, "sum", p->sum_us);
+        }
+    }
     return enc_finish(w, err);
 }
 
@@ -560,11 +587,50 @@ static int decode_transport_bytes(kp_msg *msg, const msgpack_object *o, kp_stats
     return KP_OK;
 }
 
+static int decode_batch(kp_msg *msg, const msgpack_object *o, kp_stats_result *r,
+                        kp_error *err)
+{
+    dec_fields f;
+    const msgpack_object *phases;
+    int rc = dec_open(&f, msg, o, "batch_us", batch_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
+    if (rc || (rc = dec_u64(&f, "count", 0, UINT64_MAX, &r->batch_count, NULL, err)) ||
+        (rc = dec_u32(&f, "window", 0, UINT32_MAX, &r->batch_window, NULL, err)) ||
+        (rc = dec_map(&f, "phases", &phases, NULL, err)))
+        return rc;
+    uint32_t n = phases->via.map.size;
+    if (n > KP_STATS_MAX_PHASES)
+        return kp_fail(err, KP_E_PROTOCOL, "batch_us.phases: %u phases, at most %d", n,
+                       KP_STATS_MAX_PHASES);
+    kp_phase *p = dec_alloc(msg, n ? n : 1, sizeof(*p), err);
+    if (!p)
+        return err ? err->code : KP_E_NO_MEMORY;
+    for (uint32_t i = 0; i < n; i++) {
+        const msgpack_object_kv *kv = &phases->via.map.ptr[i];
+        char path[DEC_PATH_MAX];
+        dec_fields pf;
+        if ((rc = dec_copy_str(msg, &kv->key, "batch_us.phases", KP_NAME_MAX, KP_E_PROTOCOL,
+                               &p[i].name, err)))
+            return rc;
+        snprintf(path, sizeof(path), "batch_us.phases.%s", p[i].name);
+        if ((rc = dec_open(&pf, msg, &kv->val, path, phase_fields, DEC_LENIENT, KP_E_PROTOCOL,
+                           err)) ||
+            (rc = dec_u64(&pf, "p50", 0, UINT64_MAX, &p[i].p50_us, NULL, err)) ||
+            (rc = dec_u64(&pf, "p90", 0, UINT64_MAX, &p[i].p90_us, NULL, err)) ||
+            (rc = dec_u64(&pf, "p99", 0, UINT64_MAX, &p[i].p99_us, NULL, err)) ||
+            (rc = dec_u64(&pf, "sum", 0, UINT64_MAX, &p[i].sum_us, NULL, err)))
+            return rc;
+    }
+    r->phases = p;
+    r->nphases = n;
+    r->has_batch_phases = true;
+    return KP_OK;
+}
+
 int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
 {
     dec_fields f;
-    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes;
-    bool has_prometheus;
+    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch;
+    bool has_prometheus, has_batch;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, stats_fields, err);
     if (rc || (rc = dec_u64(&f, "uptime_us", 0, UINT64_MAX, &r->uptime_us, NULL, err)) ||
@@ -586,7 +652,9 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
         (rc = decode_counters(msg, errors, "errors", &r->errors, &r->nerrors, err)) ||
         (rc = decode_counters(msg, disconnects, "disconnects", &r->disconnects,
                               &r->ndisconnects, err)) ||
-        (rc = dec_str(&f, "prometheus", 0, UINT32_MAX, &r->prometheus, &has_prometheus, err)))
+        (rc = dec_str(&f, "prometheus", 0, UINT32_MAX, &r->prometheus, &has_prometheus, err)) ||
+        (rc = dec_map(&f, "batch_us", &batch, &has_batch, err)) ||
+        (has_batch && (rc = decode_batch(msg, batch, r, err))))
         return rc;
     return decode_transport_bytes(msg, bytes, r, err);
 }

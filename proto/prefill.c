@@ -18,7 +18,8 @@ static const char *const prefill_fields[] = {"layer", "seqs", NULL};
 static const char *const seq_fields[] = {"slot", "expect_pos", "len", "fresh", "q", "k", "v",
                                          "g", "beta", "out", NULL};
 static const char *const seq_result_fields[] = {"pos", "out", NULL};
-static const char *const result_fields[] = {"seqs", "queue_us", "run_us", NULL};
+static const char *const result_fields[] = {"seqs", "queue_us", "run_us", "device_us",
+                                            "kernel_us", NULL};
 
 static uint64_t tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads)
 {
@@ -320,7 +321,7 @@ int kp_prefill_result_encode(kp_writer *w, uint32_t id, const kp_prefill_result 
             return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].out: a result carries output "
                            "inline or not at all", i);
     }
-    enc_result(w, id, 3);
+    enc_result(w, id, r->timed ? 5 : 3);
     enc_key(w, "seqs");
     enc_array(w, r->nseqs);
     for (uint32_t i = 0; i < r->nseqs; i++) {
@@ -333,6 +334,10 @@ int kp_prefill_result_encode(kp_writer *w, uint32_t id, const kp_prefill_result 
     }
     enc_kv_u64(w, "queue_us", r->queue_us);
     enc_kv_u64(w, "run_us", r->run_us);
+    if (r->timed) {
+        enc_kv_u64(w, "device_us", r->device_us);
+        enc_kv_u64(w, "kernel_us", r->kernel_us);
+    }
     return enc_finish(w, err);
 }
 
@@ -342,11 +347,14 @@ int kp_prefill_result_decode(kp_msg *msg, const kp_session *s, const kp_prefill_
     dec_fields f;
     const msgpack_object *arr;
     uint32_t n;
+    bool has_kernel;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, result_fields, err);
     if (rc || (rc = dec_array(&f, "seqs", req->nseqs, false, &arr, &n, NULL, err)) ||
         (rc = dec_u64(&f, "queue_us", 0, UINT64_MAX, &r->queue_us, NULL, err)) ||
-        (rc = dec_u64(&f, "run_us", 0, UINT64_MAX, &r->run_us, NULL, err)))
+        (rc = dec_u64(&f, "run_us", 0, UINT64_MAX, &r->run_us, NULL, err)) ||
+        (rc = dec_u64(&f, "device_us", 0, UINT64_MAX, &r->device_us, &r->timed, err)) ||
+        (rc = dec_u64(&f, "kernel_us", 0, UINT64_MAX, &r->kernel_us, &has_kernel, err)))
         return rc;
     if (n != req->nseqs)
         return kp_fail(err, KP_E_PROTOCOL, "seqs: %u results for %u sequences", n, req->nseqs);

@@ -208,7 +208,40 @@ static void test_health_stats_round_trip(void **state)
     assert_memory_equal(g.bytes_in, s.bytes_in, sizeof(s.bytes_in));
     assert_memory_equal(g.bytes_out, s.bytes_out, sizeof(s.bytes_out));
     assert_null(g.prometheus);
+    assert_false(g.has_batch_phases); /* not sent: an older daemon */
+    assert_int_equal(g.nphases, 0);
     wire_close(&x);
+
+    /* The per-batch phase breakdown. */
+    static const kp_phase phases[] = {{"form", 3, 5, 9, 30}, {"device", 1800, 2000, 2500, 18000}};
+    s.has_batch_phases = true;
+    s.batch_count = 10;
+    s.batch_window = 10;
+    s.phases = phases;
+    s.nphases = 2;
+    ENC(kp_stats_result_encode(&test_writer, 8, &s, &enc_err_));
+    open_result(&x, 8);
+    DEC(kp_stats_result_decode(&x.msg, &g, &dec_err_));
+    assert_true(g.has_batch_phases);
+    assert_int_equal(g.batch_count, 10);
+    assert_int_equal(g.batch_window, 10);
+    assert_int_equal(g.nphases, 2);
+    assert_string_equal(g.phases[0].name, "form");
+    assert_int_equal(g.phases[0].p50_us, 3);
+    assert_int_equal(g.phases[0].p90_us, 5);
+    assert_int_equal(g.phases[0].p99_us, 9);
+    assert_int_equal(g.phases[0].sum_us, 30);
+    assert_string_equal(g.phases[1].name, "device");
+    assert_int_equal(g.phases[1].p50_us, 1800);
+    assert_int_equal(g.phases[1].sum_us, 18000);
+    assert_int_equal(g.requests, 4);
+    wire_close(&x);
+    /* More phases than a client keeps is an encoder error. */
+    s.nphases = KP_STATS_MAX_PHASES + 1;
+    kp_error perr;
+    assert_int_equal(kp_stats_result_encode(&test_writer, 9, &s, &perr), KP_E_INVALID_PARAMS);
+    s.has_batch_phases = false;
+    s.nphases = 0;
 
     s.prometheus = "# TYPE kdad_requests_total counter\nkdad_requests_total 4\n";
     ENC(kp_stats_result_encode(&test_writer, 7, &s, &enc_err_));
@@ -624,6 +657,21 @@ static void test_prefill_round_trip(void **state)
     assert_memory_equal(rg.seqs[2].out.data, out2, TOK_BYTES(12));
     assert_int_equal(rg.seqs[1].out.kind, KP_REF_ABSENT);
     assert_int_equal(rg.seqs[3].out.kind, KP_REF_ABSENT);
+    assert_false(rg.timed); /* no device_us / kernel_us: an older daemon's result */
+    assert_int_equal(rg.device_us, 0);
+    wire_close(&y);
+
+    /* With the batch's device and kernel times (optional fields). */
+    r.timed = true;
+    r.device_us = 2100;
+    r.kernel_us = 1750;
+    ENC(kp_prefill_result_encode(&test_writer, 12, &r, &enc_err_));
+    open_result(&y, 12);
+    DEC(kp_prefill_result_decode(&y.msg, &test_session, &g, &rg, &dec_err_));
+    assert_true(rg.timed);
+    assert_int_equal(rg.device_us, 2100);
+    assert_int_equal(rg.kernel_us, 1750);
+    assert_int_equal(rg.run_us, 450);
     wire_close(&y);
     wire_close(&x);
     free(out0);
