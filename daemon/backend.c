@@ -45,6 +45,8 @@ int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     batch->status = KD_BATCH_OK;
     batch->code = KP_OK;
     batch->message[0] = '\0';
+    uint64_t formed = batch->t.formed_ns;
+    batch->t = (kd_batch_timing){.formed_ns = formed, .submit_ns = uv_hrtime()};
     int rc = b->ops->submit(b, batch, err);
     if (rc == KP_OK)
         b->inflight++;
@@ -53,6 +55,11 @@ int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
 
 void kd_backend_complete(kd_backend *b, kd_batch *batch)
 {
+    kd_batch_timing *t = &batch->t;
+    if (!t->done_ns)
+        t->done_ns = uv_hrtime();
+    if (!t->unstaged_ns)
+        t->unstaged_ns = uv_hrtime();
     b->inflight--;
     b->done(b->done_ctx, batch);
 }

@@ -34,6 +34,7 @@
 #include "config.h"
 #include "kda.h"
 #include "kdaproto.h"
+#include "stats.h"
 
 typedef struct kd_backend kd_backend;
 
@@ -85,7 +86,10 @@ typedef struct kd_batch {
     kd_batch_status status;
     int code;          /* kp_code for FAILED (KP_E_NO_MEMORY, KP_E_INTERNAL, ...) */
     char message[256];
-    uint64_t launch_ns, done_ns; /* uv_hrtime() at the start and end of the device work */
+    /* Stamped along the way (stats.h): formed_ns and submit_ns by the daemon,
+     * staged_ns .. unstaged_ns and the device times by the backend (which
+     * clears them at submit), replied_ns by the daemon. */
+    kd_batch_timing t;
 } kd_batch;
 
 /* Runs on the loop thread when a submitted batch is done (whatever its status). */

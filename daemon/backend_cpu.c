@@ -65,13 +65,16 @@ static void cpu_work(uv_work_t *w)
 {
     cpu_backend *cb = w->data;
     kd_batch *batch = cb->batch;
-    batch->launch_ns = uv_hrtime();
+    kd_batch_timing *t = &batch->t;
+    /* Nothing to stage: the worker starting is both. */
+    t->staged_ns = t->launched_ns = uv_hrtime();
     cpu_run(&cb->base, batch, cb->cpu);
     if (batch->status == KD_BATCH_OK) {
         for (uint32_t i = 0; i < batch->nops; i++)
             run_op(&cb->base, &batch->ops[i]);
     }
-    batch->done_ns = uv_hrtime();
+    t->signaled_ns = uv_hrtime();
+    t->device_ns = t->signaled_ns - t->launched_ns;
 }
 
 static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu)
@@ -113,7 +116,10 @@ static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu)
                             .slot = q->slot, .flags = q->flags};
     }
     kda_error kerr;
-    if (kda_cpu_prefill(cpu, &b->pool, seqs, batch->nseqs, &kerr) != KDA_OK) {
+    uint64_t t0 = uv_hrtime();
+    int krc = kda_cpu_prefill(cpu, &b->pool, seqs, batch->nseqs, &kerr);
+    batch->t.kernel_ns = uv_hrtime() - t0;
+    if (krc != KDA_OK) {
         /* kda_cpu checks everything before it writes: the states are intact. */
         batch->status = KD_BATCH_FAILED;
         batch->code = kerr.code == KDA_ENOMEM ? KP_E_NO_MEMORY : KP_E_INTERNAL;
@@ -130,6 +136,7 @@ static void cpu_after_work(uv_work_t *w, int status)
     cpu_backend *cb = w->data;
     kd_batch *batch = cb->batch;
     cb->batch = NULL;
+    batch->t.done_ns = batch->t.unstaged_ns = uv_hrtime();
     kd_backend_complete(&cb->base, batch);
 }
 

@@ -301,7 +301,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
 {
     kd_batch *b = bf->batch;
     cudaError_t e = cudaSuccess;
-    b->launch_ns = uv_hrtime();
+    b->t.staged_ns = uv_hrtime();
     *what = "copying staged inputs";
     if (bf->in_used)
         e = cudaMemcpyAsync(bf->in_dev, bf->in_host, bf->in_used, cudaMemcpyHostToDevice,
@@ -404,8 +404,6 @@ static void finish(cuda_buf *bf)
     kd_batch *b = bf->batch;
     bf->batch = NULL;
     bf->state = BUF_FREE;
-    if (!b->done_ns)
-        b->done_ns = uv_hrtime();
     kd_backend_complete(&cb->base, b);
 }
 
@@ -437,7 +435,7 @@ static void check_running(cuda_backend *cb)
             }
             break;
         }
-        bf->batch->done_ns = uv_hrtime();
+        bf->batch->t.done_ns = uv_hrtime();
         bf->state = BUF_UNSTAGING;
         if (bf->nouts == 0) {
             finish(bf);
@@ -476,7 +474,6 @@ static int cuda_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     if (!bf)
         return kp_fail(err, KP_E_INTERNAL, "cuda backend: more than %d batches submitted",
                        KD_CUDA_DEPTH);
-    batch->done_ns = 0;
     bf->batch = batch;
     bf->state = BUF_STAGING;
     bf->work.data = bf;

@@ -89,6 +89,7 @@ static bool form_and_submit(kd_daemon *d)
     size_t n = kd_sched_form(&d->sched, &lim, d->form_scratch, cap);
     if (n == 0)
         return false;
+    uint64_t formed = uv_hrtime();
     kp_error e;
     kd_run *run = new_run(d->form_scratch, n);
     if (!run) {
@@ -107,6 +108,7 @@ static bool form_and_submit(kd_daemon *d)
         free_run(run);
         return true;
     }
+    run->batch.t.formed_ns = formed;
     if (d->backend->inflight == 0)
         d->progress_ns = uv_hrtime();
     if (kd_backend_submit(d->backend, &run->batch, &e) != KP_OK) {
@@ -164,6 +166,10 @@ static void on_batch_done(void *ctx, kd_batch *batch)
                  batch->message);
     for (uint32_t i = 0; i < run->nreqs; i++)
         kd_exec_finish(run->reqs[i], batch);
+    if (batch->status == KD_BATCH_OK) {
+        batch->t.replied_ns = uv_hrtime();
+        kd_stats_batch(&d->stats, &batch->t);
+    }
     bool fatal = batch->status == KD_BATCH_FATAL;
     char why[sizeof(batch->message)];
     snprintf(why, sizeof(why), "%s", batch->message);

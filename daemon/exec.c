@@ -503,10 +503,15 @@ static void finish_prefill(kd_req *r, const kd_batch *b)
             seqs[i].out = kp_ref_inline(x->prefill.out[i],
                                         kp_token_tensor_bytes(p->seqs[i].len, heads));
     }
-    kp_prefill_result res = {seqs, p->nseqs, 0, 0};
+    kp_prefill_result res = {.seqs = seqs, .nseqs = p->nseqs};
     if (b) {
-        res.queue_us = (b->launch_ns - r->arrival_ns) / 1000;
-        res.run_us = (b->done_ns - b->launch_ns) / 1000;
+        /* "launch": the batch staged, its enqueue starting */
+        const kd_batch_timing *t = &b->t;
+        res.queue_us = t->staged_ns > r->arrival_ns ? (t->staged_ns - r->arrival_ns) / 1000 : 0;
+        res.run_us = t->done_ns > t->staged_ns ? (t->done_ns - t->staged_ns) / 1000 : 0;
+        res.timed = true;
+        res.device_us = t->device_ns / 1000;
+        res.kernel_us = t->kernel_ns / 1000;
     }
     int rc = kp_prefill_result_encode(&o->w, r->id, &res, &e);
     free(seqs);

@@ -14,6 +14,83 @@ static const char *const disconnect_names[KD_DISC_COUNT] = {
 #undef KD_DISC_NAME
 };
 
+static const char *const phase_names[KD_PHASE_COUNT] = {
+#define KD_PHASE_NAME(id, name) [KD_PHASE_##id] = name,
+    KD_PHASES(KD_PHASE_NAME)
+#undef KD_PHASE_NAME
+};
+
+const char *kd_phase_name(kd_phase p)
+{
+    return (unsigned)p < KD_PHASE_COUNT ? phase_names[p] : "unknown";
+}
+
+/* b - a in microseconds, or 0 unless both were stamped in that order. */
+static uint64_t span_us(uint64_t a, uint64_t b)
+{
+    return a && b && b >= a ? (b - a) / 1000 : 0;
+}
+
+void kd_batch_phases(const kd_batch_timing *t, uint64_t us[KD_PHASE_COUNT])
+{
+    us[KD_PHASE_FORM] = span_us(t->formed_ns, t->submit_ns);
+    us[KD_PHASE_STAGE] = span_us(t->submit_ns, t->staged_ns);
+    us[KD_PHASE_LAUNCH] = span_us(t->staged_ns, t->launched_ns);
+    us[KD_PHASE_WAIT] = span_us(t->launched_ns, t->signaled_ns);
+    us[KD_PHASE_NOTICE] = span_us(t->signaled_ns, t->done_ns);
+    us[KD_PHASE_UNSTAGE] = span_us(t->done_ns, t->unstaged_ns);
+    us[KD_PHASE_REPLY] = span_us(t->unstaged_ns, t->replied_ns);
+    us[KD_PHASE_TOTAL] = span_us(t->formed_ns, t->replied_ns);
+    us[KD_PHASE_DEVICE] = t->device_ns / 1000;
+    us[KD_PHASE_KERNEL] = t->kernel_ns / 1000;
+    us[KD_PHASE_HOST] = us[KD_PHASE_TOTAL] > us[KD_PHASE_DEVICE]
+                            ? us[KD_PHASE_TOTAL] - us[KD_PHASE_DEVICE] : 0;
+}
+
+void kd_stats_batch(kd_stats *s, const kd_batch_timing *t)
+{
+    uint64_t us[KD_PHASE_COUNT];
+    kd_batch_phases(t, us);
+    uint32_t *row = s->phase_ring[s->ring_next];
+    for (int p = 0; p < KD_PHASE_COUNT; p++) {
+        s->phase_sum[p] += us[p];
+        row[p] = us[p] > UINT32_MAX ? UINT32_MAX : (uint32_t)us[p];
+    }
+    s->ring_next = (s->ring_next + 1) % KD_PHASE_WINDOW;
+    if (s->ring_len < KD_PHASE_WINDOW)
+        s->ring_len++;
+    s->batches_timed++;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Nearest-rank quantile q of sorted v[0..n). */
+static uint64_t rank_of(const uint32_t *v, uint32_t n, double q)
+{
+    if (n == 0)
+        return 0;
+    uint64_t rank = (uint64_t)ceil(q * (double)n);
+    return v[rank ? rank - 1 : 0];
+}
+
+/* The window's quantiles of every phase into v->phases. */
+static void phase_quantiles(const kd_stats *s, kd_stats_view *v)
+{
+    uint32_t col[KD_PHASE_WINDOW];
+    for (int p = 0; p < KD_PHASE_COUNT; p++) {
+        for (uint32_t i = 0; i < s->ring_len; i++)
+            col[i] = s->phase_ring[i][p];
+        qsort(col, s->ring_len, sizeof(col[0]), cmp_u32);
+        v->phases[p] = (kp_phase){phase_names[p], rank_of(col, s->ring_len, 0.50),
+                                  rank_of(col, s->ring_len, 0.90),
+                                  rank_of(col, s->ring_len, 0.99), s->phase_sum[p]};
+    }
+}
+
 const char *kd_disconnect_name(kd_disconnect d)
 {
     return (unsigned)d < KD_DISC_COUNT ? disconnect_names[d] : "unknown";
@@ -108,6 +185,12 @@ void kd_stats_result(const kd_stats *s, const kd_stats_gauges *g, uint64_t now_n
     r->disconnects = v->disconnects;
     memcpy(r->bytes_in, s->bytes_in, sizeof(r->bytes_in));
     memcpy(r->bytes_out, s->bytes_out, sizeof(r->bytes_out));
+    phase_quantiles(s, v);
+    r->has_batch_phases = true;
+    r->batch_count = s->batches_timed;
+    r->batch_window = s->ring_len;
+    r->phases = v->phases;
+    r->nphases = KD_PHASE_COUNT;
 }
 
 char *kd_stats_prometheus(const kd_stats *s, const kd_stats_gauges *g, uint64_t now_ns)
@@ -174,6 +257,21 @@ char *kd_stats_prometheus(const kd_stats *s, const kd_stats_gauges *g, uint64_t 
             (unsigned long long)r->latency_count);
     fprintf(f, "kdad_prefill_latency_seconds_sum %.6f\n", (double)s->lat_sum / 1e6);
     fprintf(f, "kdad_prefill_latency_seconds_count %llu\n", (unsigned long long)r->latency_count);
+    METRIC("batch_phase_seconds", "summary",
+           "Time per batch by phase (form, stage, launch, wait, notice, unstage, reply, total, "
+           "device, kernel, host); quantiles over the most recent batches, sum and count since "
+           "start.");
+    static const char *const qs[3] = {"0.5", "0.9", "0.99"};
+    for (uint32_t p = 0; p < r->nphases; p++) {
+        const kp_phase *ph = &r->phases[p];
+        const uint64_t q[3] = {ph->p50_us, ph->p90_us, ph->p99_us};
+        for (int i = 0; i < 3; i++)
+            fprintf(f, "kdad_batch_phase_seconds{phase=\"%s\",quantile=\"%s\"} %.6f\n", ph->name,
+                    qs[i], (double)q[i] / 1e6);
+        fprintf(f, "kdad_batch_phase_seconds_sum{phase=\"%s\"} %.6f\n"
+                "kdad_batch_phase_seconds_count{phase=\"%s\"} %llu\n", ph->name,
+                (double)ph->sum_us / 1e6, ph->name, (unsigned long long)r->batch_count);
+    }
 #undef METRIC
     if (fclose(f) != 0) {
         free(text);

@@ -290,8 +290,20 @@ static kp_prefill_seq inline_seq(uint64_t slot, const dh_seq *s)
     return q;
 }
 
+/* A phase of the stats' per-batch breakdown, which must be there. */
+static const kp_phase *batch_phase(const kp_stats_result *st, const char *name)
+{
+    for (uint32_t i = 0; i < st->nphases; i++) {
+        if (strcmp(st->phases[i].name, name) == 0)
+            return &st->phases[i];
+    }
+    fail_msg("stats: no batch phase \"%s\" among %u", name, st->nphases);
+    return NULL;
+}
+
 /* One request, three sequences: a normal one, a fresh one on an empty slot,
- * and a zero-length one that only checks its position. */
+ * and a zero-length one that only checks its position.  Its result and the
+ * stats carry the batch's timing. */
 static void test_multi_sequence_request(void **unused)
 {
     dh_daemon d;
@@ -336,9 +348,44 @@ static void test_multi_sequence_request(void **unused)
     assert_int_equal(res.seqs[1].pos, 130);
     assert_int_equal(res.seqs[2].pos, 0);
     assert_int_equal(res.seqs[2].out.kind, KP_REF_ABSENT);
+    /* The batch's device time, of which the kernel is a part, within its run. */
+    assert_true(res.timed);
+    assert_true(res.device_us > 0);
+    assert_true(res.kernel_us <= res.device_us);
+    assert_true(res.device_us <= res.run_us + 1);
+#ifndef DH_BACKEND_IS_CUDA /* the cpu backend always times kda_cpu_prefill */
+    assert_true(res.kernel_us > 0);
+#endif
+    uint64_t run_us = res.run_us, device_us = res.device_us;
     uint16_t *oa = malloc(DH_TOKEN_BYTES(77)), *ob = malloc(DH_TOKEN_BYTES(130));
     memcpy(oa, res.seqs[0].out.data, DH_TOKEN_BYTES(77));
     memcpy(ob, res.seqs[1].out.data, DH_TOKEN_BYTES(130));
+
+    /* Only the layer registration and this prefill ran batches so far: the
+     * prefill is the one batch timed, and the stats' phases are its own. */
+    kp_stats_result st;
+    dh_stats(&c, &st);
+    assert_true(st.has_batch_phases);
+    assert_int_equal(st.batch_count, 1);
+    assert_int_equal(st.batch_window, 1);
+    const kp_phase *dev = batch_phase(&st, "device"), *tot = batch_phase(&st, "total");
+    assert_int_equal(dev->sum_us, device_us);
+    assert_int_equal(dev->p50_us, device_us);
+    assert_int_equal(dev->p99_us, device_us);
+    assert_true(tot->sum_us >= run_us);
+    assert_true(tot->sum_us >= dev->sum_us);
+    uint64_t steps = 0;
+    static const char *const order[] = {"form", "stage", "launch", "wait", "notice", "unstage",
+                                        "reply"};
+    for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++)
+        steps += batch_phase(&st, order[i])->sum_us;
+    assert_true(steps <= tot->sum_us && steps + 7 >= tot->sum_us); /* the steps add up */
+#ifndef DH_BACKEND_IS_CUDA /* a GPU may start the batch before its last enqueue call returns */
+    assert_true(batch_phase(&st, "wait")->sum_us >= device_us);
+#endif
+    assert_int_equal(batch_phase(&st, "host")->sum_us, tot->sum_us - dev->sum_us);
+    assert_true(batch_phase(&st, "kernel")->sum_us <= dev->sum_us);
+
     check_oracle(&c, &l, s0, &a, oa);
     check_oracle(&c, &l, s1, &b, ob);
     assert_int_equal(slot_info(&c, s1, NULL).status, KP_SLOT_READY);

@@ -98,11 +98,106 @@ static void test_counters_and_prometheus(void **unused)
     free(text);
 }
 
+/* A batch whose every step took a known time (microseconds). */
+static kd_batch_timing timing(uint64_t base_us, uint64_t step_us, uint64_t device_us)
+{
+    uint64_t t = base_us * 1000, d = step_us * 1000;
+    return (kd_batch_timing){.formed_ns = t, .submit_ns = t + d, .staged_ns = t + 2 * d,
+                             .launched_ns = t + 3 * d, .signaled_ns = t + 4 * d,
+                             .done_ns = t + 5 * d, .unstaged_ns = t + 6 * d,
+                             .replied_ns = t + 7 * d, .device_ns = device_us * 1000,
+                             .kernel_ns = device_us * 500};
+}
+
+static void test_batch_phases(void **unused)
+{
+    uint64_t us[KD_PHASE_COUNT];
+    kd_batch_timing t = timing(1000, 10, 50);
+    kd_batch_phases(&t, us);
+    assert_int_equal(us[KD_PHASE_FORM], 10);
+    assert_int_equal(us[KD_PHASE_STAGE], 10);
+    assert_int_equal(us[KD_PHASE_LAUNCH], 10);
+    assert_int_equal(us[KD_PHASE_WAIT], 10);
+    assert_int_equal(us[KD_PHASE_NOTICE], 10);
+    assert_int_equal(us[KD_PHASE_UNSTAGE], 10);
+    assert_int_equal(us[KD_PHASE_REPLY], 10);
+    assert_int_equal(us[KD_PHASE_TOTAL], 70);
+    assert_int_equal(us[KD_PHASE_DEVICE], 50);
+    assert_int_equal(us[KD_PHASE_KERNEL], 25);
+    assert_int_equal(us[KD_PHASE_HOST], 20);
+    assert_string_equal(kd_phase_name(KD_PHASE_NOTICE), "notice");
+    assert_string_equal(kd_phase_name(KD_PHASE_HOST), "host");
+    /* A step that was not stamped counts 0, and so do the spans around it. */
+    t.signaled_ns = 0;
+    t.device_ns = 900000; /* longer than the whole: host clamps at 0 */
+    kd_batch_phases(&t, us);
+    assert_int_equal(us[KD_PHASE_WAIT], 0);
+    assert_int_equal(us[KD_PHASE_NOTICE], 0);
+    assert_int_equal(us[KD_PHASE_TOTAL], 70);
+    assert_int_equal(us[KD_PHASE_HOST], 0);
+
+    /* 100 batches with wait = 1..100 us: nearest-rank quantiles and sums. */
+    kd_stats *s = malloc(sizeof(*s));
+    assert_non_null(s);
+    kd_stats_init(s, 0);
+    for (uint64_t i = 1; i <= 100; i++) {
+        kd_batch_timing b = timing(5000 * i, 1, 3);
+        b.signaled_ns = b.launched_ns + i * 1000;
+        b.done_ns = b.signaled_ns + 2000;
+        b.unstaged_ns = b.done_ns;
+        b.replied_ns = b.done_ns + 1000;
+        kd_stats_batch(s, &b);
+    }
+    kd_stats_gauges g = {0};
+    kd_stats_view v;
+    kp_stats_result r;
+    kd_stats_result(s, &g, 0, &v, &r);
+    assert_true(r.has_batch_phases);
+    assert_int_equal(r.batch_count, 100);
+    assert_int_equal(r.batch_window, 100);
+    assert_int_equal(r.nphases, KD_PHASE_COUNT);
+    const kp_phase *w = &r.phases[KD_PHASE_WAIT];
+    assert_string_equal(w->name, "wait");
+    assert_int_equal(w->p50_us, 50);
+    assert_int_equal(w->p90_us, 90);
+    assert_int_equal(w->p99_us, 99);
+    assert_int_equal(w->sum_us, 5050);
+    assert_int_equal(r.phases[KD_PHASE_NOTICE].p50_us, 2);
+    assert_int_equal(r.phases[KD_PHASE_UNSTAGE].sum_us, 0);
+    assert_int_equal(r.phases[KD_PHASE_DEVICE].sum_us, 300);
+    assert_int_equal(r.phases[KD_PHASE_TOTAL].p50_us, 3 + 50 + 2 + 1);
+
+    /* The window keeps the most recent KD_PHASE_WINDOW batches; sums keep all. */
+    for (uint64_t i = 0; i < KD_PHASE_WINDOW; i++) {
+        kd_batch_timing b = timing(1000000 + 100 * i, 1, 3);
+        b.signaled_ns = b.launched_ns + 7000;
+        b.done_ns = b.signaled_ns;
+        kd_stats_batch(s, &b);
+    }
+    kd_stats_result(s, &g, 0, &v, &r);
+    assert_int_equal(r.batch_count, 100 + KD_PHASE_WINDOW);
+    assert_int_equal(r.batch_window, KD_PHASE_WINDOW);
+    assert_int_equal(r.phases[KD_PHASE_WAIT].p50_us, 7);
+    assert_int_equal(r.phases[KD_PHASE_WAIT].p99_us, 7);
+    assert_int_equal(r.phases[KD_PHASE_WAIT].sum_us, 5050 + 7 * KD_PHASE_WINDOW);
+
+    char *text = kd_stats_prometheus(s, &g, 0);
+    assert_non_null(text);
+    has(text, "# TYPE kdad_batch_phase_seconds summary\n");
+    has(text, "kdad_batch_phase_seconds{phase=\"wait\",quantile=\"0.5\"} 0.000007\n");
+    has(text, "kdad_batch_phase_seconds{phase=\"wait\",quantile=\"0.99\"} 0.000007\n");
+    has(text, "kdad_batch_phase_seconds_sum{phase=\"wait\"} 0.012218\n");
+    has(text, "kdad_batch_phase_seconds_count{phase=\"device\"} 1124\n");
+    free(text);
+    free(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_histogram_and_quantiles),
         cmocka_unit_test(test_counters_and_prometheus),
+        cmocka_unit_test(test_batch_phases),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
