@@ -237,7 +237,8 @@ static void script_prefill(fake_conn *fc, void *arg)
     kp_prefill_seq_result sr[3] = {{15, kp_ref_inline(out, TOKB(5))},
                                    {7, {KP_REF_ABSENT, NULL, 0, 0, 0}},
                                    {4, {KP_REF_ABSENT, NULL, 0, 0, 0}}};
-    kp_prefill_result r = {sr, 3, 11, 222};
+    kp_prefill_result r = {.seqs = sr, .nseqs = 3, .queue_us = 11, .run_us = 222,
+                           .timed = true, .device_us = 180, .kernel_us = 150};
     ANSWER(fc, kp_prefill_result_encode(&fc->w, id, &r, E));
     free(out);
     fake_wait_eof(fc);
@@ -270,6 +271,8 @@ static void test_prefill_call(void **state)
     assert_int_equal(res.pos[2], 4);
     assert_int_equal(res.queue_us, 11);
     assert_int_equal(res.run_us, 222);
+    assert_int_equal(res.device_us, 180);
+    assert_int_equal(res.kernel_us, 150);
     assert_true(is_bytes(out, TOKB(5), 9));
     kdac_client_close(c);
     assert_int_equal(fake_stop(s), 0);
@@ -294,6 +297,7 @@ static void script_registry(fake_conn *fc, void *arg)
         uint64_t bounds[3] = {100, 1000, 10000}, counts[4] = {5, 6, 7, 1};
         kp_counter errs[2] = {{"INVALID_PARAMS", 4}, {"STALE_SLOT", 1}};
         kp_counter disc[1] = {{"peer_closed", 9}};
+        kp_phase ph[2] = {{"wait", 40, 50, 60, 800}, {"kernel", 30, 35, 39, 600}};
         kp_stats_result r = {
             .uptime_us = 77, .connections = 2, .connections_total = 10, .requests = 300,
             .batches = 20, .seqs = 40, .tokens = 5000, .latency_count = 19,
@@ -301,7 +305,9 @@ static void script_registry(fake_conn *fc, void *arg)
             .latency_max_us = 12000, .latency_bounds_us = bounds, .latency_counts = counts,
             .latency_nbounds = 3, .slots_total = 64, .slots_used = 5, .slots_lost = 1,
             .layers = 2, .regions = 3, .errors = errs, .nerrors = 2, .disconnects = disc,
-            .ndisconnects = 1, .bytes_in = {1, 2, 3}, .bytes_out = {4, 5, 6}};
+            .ndisconnects = 1, .bytes_in = {1, 2, 3}, .bytes_out = {4, 5, 6},
+            .has_batch_phases = true, .batch_count = 20, .batch_window = 20, .phases = ph,
+            .nphases = 2};
         ANSWER(fc, kp_stats_result_encode(&fc->w, id, &r, E));
     }
     if ((id = fake_expect(fc, KP_METHOD_LAYER_REGISTER))) {
@@ -358,6 +364,14 @@ static void test_registry_calls(void **state)
     assert_int_equal(st->nerrors, 2);
     assert_string_equal(st->errors[1].name, "STALE_SLOT");
     assert_int_equal(st->errors[1].value, 1);
+    assert_int_equal(st->batch_count, 20);
+    assert_int_equal(st->batch_window, 20);
+    assert_int_equal(st->nphases, 2);
+    assert_string_equal(st->phases[1].name, "kernel");
+    assert_int_equal(st->phases[1].p50_us, 30);
+    assert_int_equal(st->phases[1].p99_us, 39);
+    assert_int_equal(st->phases[1].sum_us, 600);
+    assert_int_equal(st->phases[0].p90_us, 50);
     assert_int_equal(st->ndisconnects, 1);
     assert_string_equal(st->disconnects[0].name, "peer_closed");
     assert_int_equal(st->bytes_in[KDAC_TRANSPORT_ID_CUDA_IPC], 3);

@@ -97,7 +97,7 @@ static void answer_prefill(fake_conn *fc, uint32_t id, uint32_t len, uint64_t po
 {
     uint8_t *out = pattern(TOK(len), seed);
     kp_prefill_seq_result sr = {pos, kp_ref_inline(out, TOK(len))};
-    kp_prefill_result r = {&sr, 1, 5, 7};
+    kp_prefill_result r = {.seqs = &sr, .nseqs = 1, .queue_us = 5, .run_us = 7};
     kp_error e;
     if (fake_check(fc, kp_prefill_result_encode(&fc->w, id, &r, &e) == KP_OK, "%s", e.message))
         fake_send(fc);

@@ -96,6 +96,7 @@ KDAC_EXPORT const char *kdac_version_string(void);
 #define KDAC_MAX_FEATURES 64         /* feature names in hello */
 #define KDAC_HIST_MAX_BUCKETS 64     /* latency histogram bounds in stats */
 #define KDAC_STATS_MAX_COUNTERS 64   /* named counters kept per stats map (more are dropped) */
+#define KDAC_STATS_MAX_PHASES 32     /* batch phases kept in stats */
 #define KDAC_DEFAULT_SCALE 0.08838834764831845f /* 1/sqrt(128): the usual output scale */
 
 /* The system service's socket, and the user instance's (under $XDG_RUNTIME_DIR). */
@@ -394,6 +395,11 @@ typedef struct kdac_prefill_result {
     const uint64_t *pos; /* [nseqs]: each slot's position after its sequence */
     uint64_t queue_us;   /* admission to launch, in the daemon */
     uint64_t run_us;     /* launch to completion of the batch */
+    /* The batch's device time (cuda: GPU events from its first copy in to its last
+     * copy out; cpu: the worker's run) and the prefill kernel's share of it; 0 when
+     * the daemon does not report them. */
+    uint64_t device_us;
+    uint64_t kernel_us;
 } kdac_prefill_result;
 
 typedef struct kdac_slot_info_result {
@@ -553,6 +559,13 @@ typedef struct kdac_counter {
     uint64_t value;
 } kdac_counter;
 
+/* One phase of a batch ("form", "stage", "launch", "wait", "notice",
+ * "unstage", "reply", "total", "device", "kernel", "host"). */
+typedef struct kdac_phase {
+    char name[KDAC_NAME_MAX + 1];
+    uint64_t p50_us, p90_us, p99_us, sum_us;
+} kdac_phase;
+
 /* transports indices of kdac_stats_info.bytes_in / bytes_out */
 #define KDAC_TRANSPORT_ID_INLINE 0
 #define KDAC_TRANSPORT_ID_SHM 1
@@ -578,6 +591,13 @@ typedef struct kdac_stats_info {
     uint32_t ndisconnects;                                /* connections closed, by reason */
     kdac_counter disconnects[KDAC_STATS_MAX_COUNTERS];
     uint64_t bytes_in[3], bytes_out[3];                   /* tensor bytes, by KDAC_TRANSPORT_ID_* */
+    /* Per-batch timing by phase (docs/daemon.md, Observability): quantiles over
+     * the daemon's recent batches and sums since start, microseconds; nphases is
+     * 0 from a daemon that does not report them. */
+    uint64_t batch_count;                                 /* batches timed (the sums' count) */
+    uint32_t batch_window;                                /* batches the quantiles cover */
+    uint32_t nphases;
+    kdac_phase phases[KDAC_STATS_MAX_PHASES];
 } kdac_stats_info;
 
 KDAC_EXPORT int kdac_stats(kdac_client *c, kdac_stats_info *res, kdac_error *err);

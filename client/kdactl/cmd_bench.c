@@ -56,6 +56,7 @@ static const char *const transport_names[] = {"inline", "shm", "cuda-ipc"};
 static const uint32_t mixed_lengths[] = {1300, 547, 2048, 963, 271, 3063}; /* mean 1365.33 */
 #define NMIXED 6
 #define MAX_LENGTHS 256 /* entries of --lengths */
+#define NDAEMON 4       /* per-request daemon times kept: queue, run, device, kernel */
 
 typedef struct bench_opts {
     uint64_t clients, depth, requests, tokens, seqs, warmup, seed;
@@ -100,6 +101,7 @@ typedef struct bench {
     double *lat_us;
     uint64_t nlat, cap_lat;
     uint64_t queue_us, run_us; /* sums over successes */
+    double *daemon_us;  /* per success: the daemon's queue, run, device and kernel times */
     kdac_error first_error;
     int lost; /* a connection failed: its exit code */
     progress bar;
@@ -197,8 +199,17 @@ static void done_cb(kdac_client *c, void *data, const kdac_result *res, int stat
         if (!grown)
             return;
         b->lat_us = grown;
+        grown = realloc(b->daemon_us, cap * NDAEMON * sizeof(double));
+        if (!grown)
+            return;
+        b->daemon_us = grown;
         b->cap_lat = cap;
     }
+    double *d = &b->daemon_us[b->nlat * NDAEMON];
+    d[0] = (double)res->u.prefill.queue_us;
+    d[1] = (double)res->u.prefill.run_us;
+    d[2] = (double)res->u.prefill.device_us;
+    d[3] = (double)res->u.prefill.kernel_us;
     b->lat_us[b->nlat++] = (now_s() - r->t0) * 1e6;
     b->tokens += r->tokens;
     b->queue_us += res->u.prefill.queue_us;
@@ -340,6 +351,7 @@ static void teardown(bench *b)
     free(b->clients);
     free(b->reqs);
     free(b->lat_us);
+    free(b->daemon_us);
     bench_data_free(&b->data);
 }
 
@@ -358,6 +370,24 @@ static double quantile(const double *v, uint64_t n, double q)
     return v[k ? k - 1 : 0];
 }
 
+/* Mean and median of column k of the daemon's per-request times. */
+static void daemon_times(const bench *b, int k, double *mean, double *p50)
+{
+    *mean = *p50 = 0;
+    if (b->nlat == 0)
+        return;
+    double *v = malloc(b->nlat * sizeof(double));
+    if (!v)
+        return;
+    for (uint64_t i = 0; i < b->nlat; i++) {
+        v[i] = b->daemon_us[i * NDAEMON + k];
+        *mean += v[i] / (double)b->nlat;
+    }
+    qsort(v, b->nlat, sizeof(double), cmp_double);
+    *p50 = quantile(v, b->nlat, 0.5);
+    free(v);
+}
+
 static void report(bench *b, double seconds)
 {
     qsort(b->lat_us, b->nlat, sizeof(double), cmp_double);
@@ -369,6 +399,9 @@ static void report(bench *b, double seconds)
     double p50 = quantile(b->lat_us, ok, 0.5), p90 = quantile(b->lat_us, ok, 0.9),
            p99 = quantile(b->lat_us, ok, 0.99), max = ok ? b->lat_us[ok - 1] : 0;
     double q = ok ? (double)b->queue_us / ok : 0, r = ok ? (double)b->run_us / ok : 0;
+    double dmean[NDAEMON], dp50[NDAEMON];
+    for (int k = 0; k < NDAEMON; k++)
+        daemon_times(b, k, &dmean[k], &dp50[k]);
     const kdac_server_info *info = kdac_client_info(b->clients[0].c);
     if (b->g->json) {
         json_object *o = json_object_new_object();
@@ -403,6 +436,15 @@ static void report(bench *b, double seconds)
         json_object_object_add(o, "latency_ms", lat);
         json_object_object_add(o, "daemon_queue_us_mean", json_object_new_double(q));
         json_object_object_add(o, "daemon_run_us_mean", json_object_new_double(r));
+        /* Per request: medians of the four, means of device and kernel (the
+         * batch that ran it; 0 from a daemon that does not report them). */
+        static const char *const p50_names[NDAEMON] = {
+            "daemon_queue_us_p50", "daemon_run_us_p50", "daemon_device_us_p50",
+            "daemon_kernel_us_p50"};
+        for (int k = 0; k < NDAEMON; k++)
+            json_object_object_add(o, p50_names[k], json_object_new_double(dp50[k]));
+        json_object_object_add(o, "daemon_device_us_mean", json_object_new_double(dmean[2]));
+        json_object_object_add(o, "daemon_kernel_us_mean", json_object_new_double(dmean[3]));
         json_object_object_add(o, "first_error", b->errors ? json_object_new_string(
                                                                  b->first_error.message)
                                                            : NULL);
@@ -419,7 +461,9 @@ static void report(bench *b, double seconds)
     printf("  throughput %.1f requests/s, %.0f tokens/s\n", rps, tps);
     printf("  latency    p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, max %.2f ms (mean %.2f ms)\n",
            p50 / 1e3, p90 / 1e3, p99 / 1e3, max / 1e3, mean / 1e3);
-    printf("  daemon     queue %.0f us + run %.0f us per request (mean)\n", q, r);
+    printf("  daemon     queue %.0f us + run %.0f us per request (mean); medians: queue %.0f us, "
+           "run %.0f us, device %.0f us, kernel %.0f us\n", q, r, dp50[0], dp50[1], dp50[2],
+           dp50[3]);
     if (b->errors)
         printf("  first error: %s (%s)\n", b->first_error.message,
                kdac_err_name(b->first_error.code));

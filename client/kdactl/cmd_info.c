@@ -276,6 +276,21 @@ static void stats_json(const kdac_stats_info *s)
         json_object_object_add(tb, names[t], io);
     }
     json_object_object_add(o, "transport_bytes", tb);
+    if (s->nphases) {
+        json_object *bt = json_object_new_object(), *ph = json_object_new_object();
+        json_object_object_add(bt, "count", json_u64(s->batch_count));
+        json_object_object_add(bt, "window", json_u64(s->batch_window));
+        for (uint32_t i = 0; i < s->nphases; i++) {
+            json_object *p = json_object_new_object();
+            json_object_object_add(p, "p50", json_u64(s->phases[i].p50_us));
+            json_object_object_add(p, "p90", json_u64(s->phases[i].p90_us));
+            json_object_object_add(p, "p99", json_u64(s->phases[i].p99_us));
+            json_object_object_add(p, "sum", json_u64(s->phases[i].sum_us));
+            json_object_object_add(ph, s->phases[i].name, p);
+        }
+        json_object_object_add(bt, "phases", ph);
+        json_object_object_add(o, "batch_us", bt);
+    }
     ctl_print_json(o);
 }
 
@@ -312,6 +327,16 @@ static void stats_text(const kdac_stats_info *s)
         format_bytes((double)s->bytes_out[t], out, sizeof(out));
         printf("  %-12s%s in, %s out\n", names[t], in, out);
     }
+    if (s->nphases) {
+        printf("  batches     %llu timed; per batch over the last %u, p50 / p90 / p99 / mean us:\n",
+               (unsigned long long)s->batch_count, s->batch_window);
+        for (uint32_t i = 0; i < s->nphases; i++) {
+            const kdac_phase *p = &s->phases[i];
+            printf("    %-10s%8llu %8llu %8llu %10.1f\n", p->name, (unsigned long long)p->p50_us,
+                   (unsigned long long)p->p90_us, (unsigned long long)p->p99_us,
+                   s->batch_count ? (double)p->sum_us / (double)s->batch_count : 0.0);
+        }
+    }
 }
 
 /* stats --prometheus: the daemon's own rendering, printed as it comes. */
@@ -338,7 +363,9 @@ int cmd_stats(ctl *g, int argc, char **argv)
         "Usage: kdactl stats [--prometheus]\n"
         "Prints the daemon's counters since it started: connections,\n"
         "requests, prefill sequences and tokens, latency percentiles, pool\n"
-        "use, errors by name, disconnects by reason, bytes by transport.\n"
+        "use, errors by name, disconnects by reason, bytes by transport, and\n"
+        "each batch's time by phase (form, stage, launch, wait, notice, unstage,\n"
+        "reply, total, device, kernel, host).\n"
         "  -p, --prometheus  the same counters in the Prometheus text format, as the\n"
         "                    daemon renders them (its metrics.prometheus_file)\n";
     static const struct option opts[] = {

@@ -132,6 +132,8 @@ static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *
     res->u.prefill.pos = p->ctx.prefill.pos;
     res->u.prefill.queue_us = r.queue_us;
     res->u.prefill.run_us = r.run_us;
+    res->u.prefill.device_us = r.device_us;
+    res->u.prefill.kernel_us = r.kernel_us;
     return KP_OK;
 }
 
@@ -637,6 +639,17 @@ static int stats_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *re
     s->ndisconnects = copy_counters(s->disconnects, r.disconnects, r.ndisconnects);
     memcpy(s->bytes_in, r.bytes_in, sizeof(s->bytes_in));
     memcpy(s->bytes_out, r.bytes_out, sizeof(s->bytes_out));
+    s->batch_count = r.batch_count;
+    s->batch_window = r.batch_window;
+    s->nphases = r.nphases < KDAC_STATS_MAX_PHASES ? r.nphases : KDAC_STATS_MAX_PHASES;
+    for (uint32_t i = 0; i < s->nphases; i++) {
+        const kp_phase *ph = &r.phases[i];
+        snprintf(s->phases[i].name, sizeof(s->phases[i].name), "%s", ph->name);
+        s->phases[i].p50_us = ph->p50_us;
+        s->phases[i].p90_us = ph->p90_us;
+        s->phases[i].p99_us = ph->p99_us;
+        s->phases[i].sum_us = ph->sum_us;
+    }
     return KP_OK;
 }
 
