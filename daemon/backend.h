@@ -16,8 +16,10 @@
  *   inline tensors and inline outputs   host only (the cuda backend stages them)
  *   shared-memory regions               host, plus a device alias on cuda (pinned, mapped)
  *   CUDA IPC regions                    device only (cuda backend only)
- * The cpu backend uses host addresses; the cuda backend uses the device
- * address when there is one and stages through its pinned buffers otherwise.
+ * The cpu backend uses host addresses.  The cuda backend uses device memory
+ * in place, copies shared-memory tensors into device staging with the copy
+ * engines (through the alias when staging is full), and stages host-only
+ * buffers through its pinned buffers.
  *
  * Backends: backend_cpu.c (kda_cpu on a libuv worker thread) and
  * backend_cuda.c (the fused Hopper kernel via CUDA Graphs; built only with
@@ -143,6 +145,7 @@ struct kd_backend {
 typedef struct kd_backend_config {
     kd_backend_kind kind;    /* config.h */
     uint32_t device;         /* cuda ordinal */
+    kd_cuda_completion completion; /* cuda: how batch completion is learnt */
     uint32_t cpu_threads;    /* 0: one per CPU */
     uint32_t heads, slots;
     kda_dtype dtype;

@@ -48,6 +48,7 @@ typedef struct key_spec {
 } key_spec;
 
 static const char *const backend_choices[] = {"auto", "cpu", "cuda", NULL};
+static const char *const completion_choices[] = {"poll", "block", NULL};
 static const char *const dtype_choices[] = {"bf16", "f32", NULL}; /* = kp_dtype */
 static const char *const level_choices[] = {"", "", "", "error", "warning", "notice", "info",
                                             "debug", NULL}; /* index = kd_log_level */
@@ -67,6 +68,7 @@ static const key_spec schema[] = {
      NULL},
     {"backend", K_ENUM, OFF(backend), 0, 0, 0, backend_choices},
     U32("device", device, 0, 1023),
+    {"cuda_completion", K_ENUM, OFF(cuda_completion), 0, 0, 0, completion_choices},
     U32("cpu_threads", cpu_threads, 0, 1024),
     U32("heads", heads, 1, KP_MAX_HEADS),
     U32("slots", slots, 1, KD_MAX_SLOTS),

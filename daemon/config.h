@@ -35,6 +35,12 @@ typedef enum kd_backend_kind {
     KD_BACKEND_CUDA = 2,
 } kd_backend_kind;
 
+/* How the cuda backend learns that a batch finished (cuda_completion). */
+typedef enum kd_cuda_completion {
+    KD_CUDA_COMPLETION_POLL = 0,  /* a thread polls the batch's event every few microseconds */
+    KD_CUDA_COMPLETION_BLOCK = 1, /* a thread sleeps in cudaEventSynchronize (blocking sync) */
+} kd_cuda_completion;
+
 /* One entry of `layers`: weights loaded from a safetensors file at start. */
 typedef struct kd_layer_conf {
     char *name;           /* layer name, KP_NAME_MAX bytes of [A-Za-z0-9._:/-] */
@@ -59,6 +65,7 @@ typedef struct kd_config {
     uint32_t nallowed_gids;
     /* backend and pool */
     kd_backend_kind backend;
+    kd_cuda_completion cuda_completion;
     uint32_t device;          /* CUDA ordinal */
     uint32_t cpu_threads;     /* 0 = one per online CPU */
     uint32_t heads;           /* H, 1..KP_MAX_HEADS */

@@ -448,6 +448,7 @@ static void keep_restart_only(kd_config *nc, kd_config *old)
         {"socket.group", str_differs(nc->socket_group, old->socket_group)},
         {"backend", nc->backend != old->backend},
         {"device", nc->device != old->device},
+        {"cuda_completion", nc->cuda_completion != old->cuda_completion},
         {"cpu_threads", nc->cpu_threads != old->cpu_threads},
         {"heads", nc->heads != old->heads},
         {"slots", nc->slots != old->slots},
@@ -471,6 +472,7 @@ static void keep_restart_only(kd_config *nc, kd_config *old)
     SWAP(socket_group);
     SWAP(backend);
     SWAP(device);
+    SWAP(cuda_completion);
     SWAP(cpu_threads);
     SWAP(heads);
     SWAP(slots);
@@ -607,6 +609,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
     kd_backend_config bc = {
         .kind = d->cfg.backend,
         .device = d->cfg.device,
+        .completion = d->cfg.cuda_completion,
         .cpu_threads = d->cfg.cpu_threads,
         .heads = d->cfg.heads,
         .slots = d->cfg.slots,

@@ -45,6 +45,7 @@ static void test_builtin_default(void **unused)
     kd_config c;
     assert_int_equal(kd_config_load(&c, NULL, NULL, err, sizeof(err)), 0);
     assert_int_equal(c.backend, KD_BACKEND_AUTO);
+    assert_int_equal(c.cuda_completion, KD_CUDA_COMPLETION_POLL);
     assert_int_equal(c.heads, KD_DEFAULT_HEADS);
     assert_int_equal(c.slots, KD_DEFAULT_SLOTS);
     assert_int_equal(c.state_dtype, KP_DTYPE_F32);
@@ -83,7 +84,7 @@ static void test_builtin_default(void **unused)
     /* config/kdad.yaml documents every key (each appears as "key:") */
     static const char *const keys[] = {
         "socket:", "path:", "mode:", "group:", "access:", "allowed_uids:", "allowed_gids:",
-        "backend:", "device:", "cpu_threads:", "heads:", "slots:", "state_dtype:",
+        "backend:", "device:", "cuda_completion:", "cpu_threads:", "heads:", "slots:", "state_dtype:",
         "slots_persist:", "limits:", "max_frame_bytes:", "max_inline_bytes:",
         "max_batch_tokens:", "max_batch_seqs:", "max_seqs_per_request:",
         "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
@@ -105,6 +106,7 @@ static void test_file_over_default(void **unused)
     const char *text = "# a comment\n"
                        "heads: 8\n"
                        "state_dtype: bf16\n"
+                       "cuda_completion: block\n"
                        "slots_persist: true\n"
                        "socket:\n  path: /tmp/k.sock\n  mode: 0600\n"
                        "access:\n  allowed_uids: [0, 1000]\n  allowed_gids: [27]\n"
@@ -117,6 +119,7 @@ static void test_file_over_default(void **unused)
         fail_msg("%s", err);
     assert_int_equal(c.heads, 8);
     assert_int_equal(c.state_dtype, KP_DTYPE_BF16);
+    assert_int_equal(c.cuda_completion, KD_CUDA_COMPLETION_BLOCK);
     assert_true(c.slots_persist);
     assert_string_equal(c.socket_path, "/tmp/k.sock");
     assert_int_equal(c.socket_mode, 0600);
@@ -150,6 +153,8 @@ static void test_bad_values_name_the_place(void **unused)
     refused("heads: 200\n", "t.yaml:1:8: heads: 200 is outside [1, 128]");
     refused("heads: -1\n", "t.yaml:1:8: heads: \"-1\" is not a non-negative integer");
     refused("backend: gpu\n", "t.yaml:1:10: backend: \"gpu\" is not one of: auto, cpu, cuda");
+    refused("cuda_completion: spin\n",
+            "t.yaml:1:18: cuda_completion: \"spin\" is not one of: poll, block");
     refused("log:\n  level: loud\n",
             "t.yaml:2:10: log.level: \"loud\" is not one of: error, warning, notice, info, debug");
     refused("heads: 8\nheads: 9\n", "t.yaml:2:1: key \"heads\" given twice (first at line 1)");
