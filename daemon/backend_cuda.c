@@ -5,30 +5,48 @@
  *
  * Everything is allocated once, at start: the pool, and for each of the
  * KD_CUDA_DEPTH (2) buffers of the double buffering a pinned descriptor
- * table, its device copy, pinned and device staging for inline bytes each
- * way, an event, and one graph per size bucket.  A graph is
+ * table, its device copy, pinned and device staging each way, its events,
+ * and one graph per size bucket.  A graph is
  *   [copy descriptor table -> device, copy count -> device, kernel(max_seqs = bucket)]
  * so replaying it with a freshly written pinned table runs a new batch; the
  * kernel reads how many descriptors are live from device memory.
  *
+ * Three streams, ordered by events, so that a batch's copies overlap the
+ * kernel of the batch before it:
+ *   h2d      copies in: inline bytes (one copy of the pinned staging) and
+ *            shared-memory tensors (from the pinned, registered region
+ *            straight into device staging), then the event in_ev
+ *   stream   waits for in_ev; slot operations, the graph replay (the kernel
+ *            runs on device memory only); then kernel_ev
+ *   d2h      waits for kernel_ev; copies out: inline outputs and staged
+ *            states (into pinned staging), shared-memory outputs (straight
+ *            into the region)
+ * A batch with nothing to copy (CUDA IPC regions) stays on `stream` alone.
+ * Timing events bracket the whole (begin_ev .. end_ev: the batch's device
+ * time) and the graph (k0_ev .. k1_ev: the kernel's).
+ *
  * A batch goes through four steps, none of which blocks the loop:
  *   1. stage   (worker thread)  inline inputs and converted states into the
- *              pinned buffer; descriptors (longest first) into the pinned table.
- *              A batch whose buffers are all device memory (CUDA IPC, pinned
- *              shared memory) only needs its descriptors: written on the loop,
- *              which saves the thread hop on the latency path
- *   2. enqueue (loop)           H2D staging copy, slot operations, graph
- *              replay, D2H staging copy, event, cudaLaunchHostFunc
- *   3. done    (loop)           the host function wakes the loop (uv_async);
- *              the event says whether the work succeeded.  A timer also polls
- *              the events, so a fault is noticed even if the host function
- *              never runs
+ *              pinned buffer; the copy lists; descriptors (longest first).
+ *              A batch that moves no bytes through pinned staging (CUDA IPC,
+ *              shared memory) is staged on the loop: no thread hop
+ *   2. enqueue (loop)           the copies, slot operations, graph replay and
+ *              events above on the three streams
+ *   3. done     a completion thread waits for each batch's end event in
+ *              submission order (cuda_completion: polling cudaEventQuery, or
+ *              sleeping in cudaEventSynchronize on a blocking-sync event) and
+ *              rings the loop (uv_async); the loop reads the device times
  *   4. unstage (worker thread)  inline outputs and read states out of the
  *              pinned buffer, then the completion callback (loop)
- * With two buffers, batch k+1 is staged and enqueued while batch k runs.
+ * With two buffers, batch k+1 is staged, copied in and enqueued while batch
+ * k runs, and batch k's outputs copy out while batch k+1's kernel runs.
  *
- * Shared-memory regions are pinned and mapped (cudaHostRegisterMapped): the
- * kernel reads and writes them through their device alias.  CUDA IPC
+ * Shared-memory regions are pinned and mapped once (cudaHostRegisterMapped).
+ * Their tensors are copied by the copy engines into device staging while it
+ * has room (the scheduler counts them against the staging budget, so a
+ * batch of them fits); a tensor that does not fit (a request larger than
+ * the staging buffers) is read or written by the kernel through the
+ * region's device alias instead.  Both paths give the same bytes.  CUDA IPC
  * regions are device memory the kernel uses directly.
  *
  * Any CUDA error during a batch is treated as fatal (KD_BATCH_FATAL): the
@@ -36,6 +54,7 @@
  * restarts it with a fresh one.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,7 +70,7 @@
 typedef enum buf_state {
     BUF_FREE = 0,
     BUF_STAGING,   /* step 1 on a worker */
-    BUF_RUNNING,   /* enqueued on the stream */
+    BUF_RUNNING,   /* enqueued on the streams */
     BUF_UNSTAGING, /* step 4 on a worker */
 } buf_state;
 
@@ -65,6 +84,19 @@ typedef struct stage_out {
     kda_dtype dtype;
 } stage_out;
 
+/* One copy between a shared-memory region (pinned host memory) and device
+ * staging; adjacent tensors are merged into one copy. */
+typedef struct xfer {
+    uint8_t *dev;
+    uint8_t *host;
+    uint64_t bytes;
+} xfer;
+
+typedef struct xfer_list {
+    xfer *v;
+    uint32_t n, cap;
+} xfer_list;
+
 typedef struct cuda_buf {
     struct cuda_backend *owner;
     buf_state state;
@@ -77,12 +109,18 @@ typedef struct cuda_buf {
     int32_t *count_dev;
     uint8_t *in_host, *in_dev;   /* staging towards the device */
     uint8_t *out_host, *out_dev; /* staging back */
-    uint64_t in_used, out_used;
+    uint64_t in_pinned, out_pinned; /* bytes of [0, n) that go through the pinned buffers */
+    uint64_t in_used, out_used;     /* device staging in use (pinned part, then shm copies) */
+    xfer_list shm_in, shm_out;      /* shared-memory tensors copied by the copy engines */
     uint64_t *op_off;       /* per op: staging offset, or UINT64_MAX when not staged */
     stage_out *outs;
     uint32_t nouts, outs_cap, ops_cap;
-    cudaEvent_t done_ev;
+    cudaEvent_t in_ev, kernel_ev;                 /* cross-stream order */
+    cudaEvent_t begin_ev, k0_ev, k1_ev, end_ev;   /* timing; end_ev is the completion */
     cudaGraphExec_t *graphs; /* one per bucket */
+    /* set by the completion thread (under the backend's mutex) */
+    cudaError_t sync_err;
+    uint64_t signaled_ns;
 } cuda_buf;
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr ptr);
@@ -91,18 +129,29 @@ typedef struct cuda_backend {
     kd_backend base;
     kda_cuda *k;
     int device;
-    cudaStream_t stream;     /* every batch, in order */
-    cudaStream_t aux;        /* layer uploads, off the batch stream */
+    cudaStream_t stream;     /* slot operations and kernels, every batch in order */
+    cudaStream_t h2d, d2h;   /* copies in and out, in order, overlapping other batches */
+    cudaStream_t aux;        /* layer uploads, off the batch streams */
     uint32_t *buckets;
     uint32_t nbuckets;
     uint64_t stage_bytes;    /* each staging buffer, each way */
     cuda_buf buf[KD_CUDA_DEPTH];
     uint64_t next_seq;
-    uv_async_t wake;         /* the host function's doorbell */
-    uv_timer_t poll;         /* fault detection while batches run */
+    uv_async_t wake;         /* the completion thread's doorbell */
     int handles_open;
     bool fatal;
     get_range_fn get_range;  /* NULL if the driver does not export it */
+    /* The completion thread and what it shares with the loop (under mu). */
+    kd_cuda_completion completion;
+    pthread_t waiter;
+    bool waiter_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    cuda_buf *pending[KD_CUDA_DEPTH]; /* enqueued, not yet seen done: submission order */
+    uint32_t npending;
+    cuda_buf *signaled[KD_CUDA_DEPTH]; /* seen done, not yet taken by the loop: in order */
+    uint32_t nsignaled;
+    int stop;                /* the thread exits (read atomically while it polls) */
 } cuda_backend;
 
 /* A CUDA failure while setting up: message and KP_E_* code. */
@@ -132,13 +181,53 @@ static int by_length_desc(const void *a, const void *b)
     return (x->len < y->len) - (x->len > y->len);
 }
 
-/* Reserves staging bytes; the scheduler's cost accounting (exec.c, with the
- * same rounding) guarantees they fit. */
-static uint64_t take(uint64_t *used, uint64_t n)
+/* Reserves n bytes of pinned staging at *used; false when the buffer would
+ * overflow (the scheduler's cost accounting, exec.c with the same rounding,
+ * makes that a daemon bug). */
+static bool take(const cuda_backend *cb, uint64_t *used, uint64_t n, uint64_t *off)
 {
-    uint64_t off = *used;
-    *used += round_stage(n);
-    return off;
+    uint64_t r = round_stage(n);
+    if (r < n || *used > cb->stage_bytes || r > cb->stage_bytes - *used)
+        return false;
+    *off = *used;
+    *used += r;
+    return true;
+}
+
+/*
+ * Places n bytes of a shared-memory tensor at `host` in device staging
+ * (base, *used) and adds its copy to l, merged with the previous copy when
+ * the tensor follows it in the region (then it also follows it in staging,
+ * which keeps the 16-byte alignment of region offsets).  NULL when staging
+ * has no room left: the kernel then uses the region's device alias.
+ */
+static uint8_t *take_shm(const cuda_backend *cb, uint8_t *base, uint64_t *used, xfer_list *l,
+                         uint8_t *host, uint64_t n)
+{
+    const uint64_t cap = cb->stage_bytes;
+    xfer *last = l->n ? &l->v[l->n - 1] : NULL;
+    if (last && last->host + last->bytes == host && last->dev + last->bytes == base + *used) {
+        if (*used > cap || n > cap - *used)
+            return NULL;
+        uint8_t *dst = base + *used;
+        *used += n;
+        last->bytes += n;
+        return dst;
+    }
+    uint64_t off = round_stage(*used);
+    if (off < *used || off > cap || n > cap - off)
+        return NULL;
+    if (l->n == l->cap) {
+        uint32_t c = l->cap ? 2 * l->cap : 16;
+        xfer *v = realloc(l->v, c * sizeof(*v));
+        if (!v)
+            return NULL;
+        l->v = v;
+        l->cap = c;
+    }
+    l->v[l->n++] = (xfer){base + off, host, n};
+    *used = off + n;
+    return base + off;
 }
 
 static void add_out(cuda_buf *bf, void *host, uint64_t off, uint64_t bytes, uint64_t elems,
@@ -168,6 +257,20 @@ static bool reserve(cuda_buf *bf, const kd_batch *b)
     return true;
 }
 
+static void stage_fail(kd_batch *b, int code, const char *what)
+{
+    b->status = KD_BATCH_FAILED;
+    b->code = code;
+    snprintf(b->message, sizeof(b->message), "cuda backend: %s", what);
+}
+
+/* Whether a buffer is a shared-memory region's: pinned host memory with a
+ * device alias (inline tensors have no alias, CUDA IPC memory no host address). */
+static bool is_shm(kd_buf b)
+{
+    return b.host && b.dev;
+}
+
 static void stage_work(uv_work_t *w)
 {
     cuda_buf *bf = w->data;
@@ -178,14 +281,15 @@ static void stage_work(uv_work_t *w)
     const uint64_t elems = (uint64_t)kda_slot_elems(heads);
     const uint64_t state_bytes = kd_backend_slot_bytes(&cb->base);
     bf->in_used = bf->out_used = 0;
+    bf->shm_in.n = bf->shm_out.n = 0;
     bf->nouts = 0;
     if (!reserve(bf, b)) {
-        b->status = KD_BATCH_FAILED;
-        b->code = KP_E_NO_MEMORY;
-        snprintf(b->message, sizeof(b->message), "cuda backend: no memory to stage a batch");
+        stage_fail(b, KP_E_NO_MEMORY, "no memory to stage a batch");
         return;
     }
 
+    /* Pass 1: what goes through the pinned buffers (converted states, inline
+     * tensors); it always fits. */
     for (uint32_t i = 0; i < b->nops; i++) {
         const kd_slot_op *op = &b->ops[i];
         bool staged = (op->kind == KD_OP_READ || op->kind == KD_OP_WRITE) &&
@@ -193,14 +297,17 @@ static void stage_work(uv_work_t *w)
         bf->op_off[i] = UINT64_MAX;
         if (!staged)
             continue;
-        if (op->kind == KD_OP_WRITE) {
-            bf->op_off[i] = take(&bf->in_used, state_bytes);
-            kd_state_convert(bf->in_host + bf->op_off[i], pool_dtype, op->buf.host, op->dtype,
-                             elems);
-        } else {
-            bf->op_off[i] = take(&bf->out_used, state_bytes);
-            add_out(bf, op->buf.host, bf->op_off[i], state_bytes, elems, op->dtype);
+        uint64_t off;
+        if (!take(cb, op->kind == KD_OP_WRITE ? &bf->in_used : &bf->out_used, state_bytes,
+                  &off)) {
+            stage_fail(b, KP_E_INTERNAL, "a batch overflows the staging buffers");
+            return;
         }
+        bf->op_off[i] = off;
+        if (op->kind == KD_OP_WRITE)
+            kd_state_convert(bf->in_host + off, pool_dtype, op->buf.host, op->dtype, elems);
+        else
+            add_out(bf, op->buf.host, off, state_bytes, elems, op->dtype);
     }
 
     for (uint32_t i = 0; i < b->nseqs; i++) {
@@ -208,18 +315,24 @@ static void stage_work(uv_work_t *w)
         const void *in[5];
         for (int t = 0; t < 5; t++) {
             if (q->in[t].dev) {
-                in[t] = q->in[t].dev;
+                in[t] = q->in[t].dev; /* CUDA IPC, or shm (maybe replaced in pass 2) */
                 continue;
             }
-            uint64_t n = (uint64_t)q->len * heads * (t == 4 ? 2 : 2 * KDA_HEAD_DIM);
-            uint64_t off = take(&bf->in_used, n);
+            uint64_t n = (uint64_t)q->len * heads * (t == 4 ? 2 : 2 * KDA_HEAD_DIM), off;
+            if (!take(cb, &bf->in_used, n, &off)) {
+                stage_fail(b, KP_E_INTERNAL, "a batch overflows the staging buffers");
+                return;
+            }
             memcpy(bf->in_host + off, q->in[t].host, n);
             in[t] = bf->in_dev + off;
         }
         void *out = q->out.dev;
         if (!out) {
-            uint64_t n = (uint64_t)q->len * heads * 2 * KDA_HEAD_DIM;
-            uint64_t off = take(&bf->out_used, n);
+            uint64_t n = (uint64_t)q->len * heads * 2 * KDA_HEAD_DIM, off;
+            if (!take(cb, &bf->out_used, n, &off)) {
+                stage_fail(b, KP_E_INTERNAL, "a batch overflows the staging buffers");
+                return;
+            }
             add_out(bf, q->out.host, off, n, 0, KDA_DTYPE_BF16);
             out = bf->out_dev + off;
         }
@@ -227,6 +340,30 @@ static void stage_work(uv_work_t *w)
                                      .beta = in[4], .out = out, .layer = q->layer,
                                      .len = q->len, .slot = q->slot, .flags = q->flags};
     }
+    bf->in_pinned = bf->in_used;
+    bf->out_pinned = bf->out_used;
+
+    /* Pass 2: shared-memory tensors into device staging while it has room. */
+    for (uint32_t i = 0; i < b->nseqs; i++) {
+        const kd_batch_seq *q = &b->seqs[i];
+        kda_seq *d = &bf->desc_host[i];
+        const uint16_t **in[5] = {&d->q, &d->k, &d->v, &d->g, &d->beta};
+        for (int t = 0; t < 5; t++) {
+            if (!is_shm(q->in[t]))
+                continue;
+            uint64_t n = (uint64_t)q->len * heads * (t == 4 ? 2 : 2 * KDA_HEAD_DIM);
+            uint8_t *dst = take_shm(cb, bf->in_dev, &bf->in_used, &bf->shm_in, q->in[t].host, n);
+            if (dst)
+                *in[t] = (const uint16_t *)dst;
+        }
+        if (is_shm(q->out)) {
+            uint64_t n = (uint64_t)q->len * heads * 2 * KDA_HEAD_DIM;
+            uint8_t *dst = take_shm(cb, bf->out_dev, &bf->out_used, &bf->shm_out, q->out.host, n);
+            if (dst)
+                d->out = (uint16_t *)dst;
+        }
+    }
+
     /* Longest first: the kernel hands out work items in table order. */
     qsort(bf->desc_host, b->nseqs, sizeof(kda_seq), by_length_desc);
     *bf->count_host = (int32_t)b->nseqs;
@@ -234,10 +371,11 @@ static void stage_work(uv_work_t *w)
      * would refuse is a daemon bug, and must not reach the device. */
     kda_error kerr;
     if (b->nseqs && kda_cuda_batch_check(&cb->base.pool, bf->desc_host, b->nseqs, &kerr)) {
-        b->status = KD_BATCH_FAILED;
-        b->code = KP_E_INTERNAL;
-        snprintf(b->message, sizeof(b->message), "cuda backend: %.200s", kerr.msg);
+        char what[220];
+        snprintf(what, sizeof(what), "%.200s", kerr.msg);
+        stage_fail(b, KP_E_INTERNAL, what);
     }
+    b->t.staged_ns = uv_hrtime();
 }
 
 /* ---------------------------------------------------------------------- */
@@ -284,54 +422,76 @@ static uint32_t bucket_for(const cuda_backend *cb, uint32_t nseqs)
     return i;
 }
 
-/* Host function: runs on a CUDA driver thread when the stream reaches it.
- * It may make no CUDA call; it only rings the loop's doorbell. */
-static void CUDART_CB host_done(void *arg)
+static void finish(cuda_buf *bf);
+
+/* Hands a running buffer to the completion thread (submission order). */
+static void wait_for(cuda_backend *cb, cuda_buf *bf)
 {
-    cuda_backend *cb = arg;
-    uv_async_send(&cb->wake);
+    pthread_mutex_lock(&cb->mu);
+    cb->pending[cb->npending++] = bf;
+    pthread_cond_signal(&cb->cv);
+    pthread_mutex_unlock(&cb->mu);
 }
 
-static void finish(cuda_buf *bf);
-static void on_poll(uv_timer_t *t);
-
-/* Queues a staged batch on the stream; a failure here means the context is
+/* Queues a staged batch on the streams; a failure here means the context is
  * unusable (what names the step). */
 static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
 {
     kd_batch *b = bf->batch;
     cudaError_t e = cudaSuccess;
-    b->t.staged_ns = uv_hrtime();
-    *what = "copying staged inputs";
-    if (bf->in_used)
-        e = cudaMemcpyAsync(bf->in_dev, bf->in_host, bf->in_used, cudaMemcpyHostToDevice,
-                            cb->stream);
+    bool copy_in = bf->in_pinned || bf->shm_in.n;
+    bool copy_out = bf->out_pinned || bf->shm_out.n;
+    *what = "copying inputs to the device";
+    if (copy_in) {
+        e = cudaEventRecord(bf->begin_ev, cb->h2d);
+        if (e == cudaSuccess && bf->in_pinned)
+            e = cudaMemcpyAsync(bf->in_dev, bf->in_host, bf->in_pinned, cudaMemcpyHostToDevice,
+                                cb->h2d);
+        for (uint32_t i = 0; e == cudaSuccess && i < bf->shm_in.n; i++) {
+            const xfer *x = &bf->shm_in.v[i];
+            e = cudaMemcpyAsync(x->dev, x->host, x->bytes, cudaMemcpyHostToDevice, cb->h2d);
+        }
+        if (e == cudaSuccess)
+            e = cudaEventRecord(bf->in_ev, cb->h2d);
+        if (e == cudaSuccess)
+            e = cudaStreamWaitEvent(cb->stream, bf->in_ev, 0);
+    } else {
+        e = cudaEventRecord(bf->begin_ev, cb->stream);
+    }
     for (uint32_t i = 0; e == cudaSuccess && i < b->nops; i++) {
         *what = "a slot operation";
         e = enqueue_op(cb, bf, i);
     }
     if (e == cudaSuccess && b->nseqs > 0) {
         *what = "replaying the prefill graph";
-        e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
+        e = cudaEventRecord(bf->k0_ev, cb->stream);
+        if (e == cudaSuccess)
+            e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
+        if (e == cudaSuccess)
+            e = cudaEventRecord(bf->k1_ev, cb->stream);
     }
-    if (e == cudaSuccess && bf->out_used) {
-        *what = "copying staged outputs";
-        e = cudaMemcpyAsync(bf->out_host, bf->out_dev, bf->out_used, cudaMemcpyDeviceToHost,
-                            cb->stream);
+    if (e == cudaSuccess && copy_out) {
+        *what = "copying outputs from the device";
+        e = cudaEventRecord(bf->kernel_ev, cb->stream);
+        if (e == cudaSuccess)
+            e = cudaStreamWaitEvent(cb->d2h, bf->kernel_ev, 0);
+        if (e == cudaSuccess && bf->out_pinned)
+            e = cudaMemcpyAsync(bf->out_host, bf->out_dev, bf->out_pinned,
+                                cudaMemcpyDeviceToHost, cb->d2h);
+        for (uint32_t i = 0; e == cudaSuccess && i < bf->shm_out.n; i++) {
+            const xfer *x = &bf->shm_out.v[i];
+            e = cudaMemcpyAsync(x->host, x->dev, x->bytes, cudaMemcpyDeviceToHost, cb->d2h);
+        }
     }
     if (e == cudaSuccess) {
         *what = "recording the completion event";
-        e = cudaEventRecord(bf->done_ev, cb->stream);
+        e = cudaEventRecord(bf->end_ev, copy_out ? cb->d2h : cb->stream);
     }
     if (e == cudaSuccess) {
-        *what = "cudaLaunchHostFunc";
-        e = cudaLaunchHostFunc(cb->stream, host_done, cb);
-    }
-    if (e == cudaSuccess) {
+        b->t.launched_ns = uv_hrtime();
         bf->state = BUF_RUNNING;
         bf->seq = cb->next_seq++;
-        if (!uv_is_active((uv_handle_t *)&cb->poll))
-            uv_timer_start(&cb->poll, on_poll, KD_CUDA_POLL_MS, KD_CUDA_POLL_MS);
+        wait_for(cb, bf);
     }
     return e;
 }
@@ -354,8 +514,8 @@ static void stage_after(uv_work_t *w, int status)
     }
 }
 
-/* Whether a batch moves any bytes through the staging buffers (else its
- * descriptors are all it needs, and they are cheap to write on the loop). */
+/* Whether a batch moves any bytes through the pinned staging buffers (else
+ * its descriptors and copy lists are all it needs, cheap to build on the loop). */
 static bool needs_staging(const cuda_backend *cb, const kd_batch *b)
 {
     for (uint32_t i = 0; i < b->nops; i++) {
@@ -376,7 +536,68 @@ static bool needs_staging(const cuda_backend *cb, const kd_batch *b)
 }
 
 /* ---------------------------------------------------------------------- */
-/* Steps 3 and 4: done, unstage                                           */
+/* Step 3: the completion thread                                          */
+/* ---------------------------------------------------------------------- */
+
+/* Spins about ns nanoseconds without touching the driver. */
+static void pause_ns(uint64_t ns)
+{
+    uint64_t until = uv_hrtime() + ns;
+    while (uv_hrtime() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+
+/* Waits for a batch's end event: cudaSuccess, or the device's error. */
+static cudaError_t wait_event(cuda_backend *cb, cudaEvent_t ev)
+{
+    if (cb->completion == KD_CUDA_COMPLETION_BLOCK)
+        return cudaEventSynchronize(ev);
+    for (;;) {
+        cudaError_t e = cudaEventQuery(ev);
+        if (e != cudaErrorNotReady)
+            return e;
+        if (__atomic_load_n(&cb->stop, __ATOMIC_RELAXED))
+            return cudaErrorNotReady;
+        /* asking the driver less often leaves its locks to the loop's enqueues */
+        pause_ns(KD_CUDA_POLL_NS);
+        sched_yield();
+    }
+}
+
+static void *waiter_main(void *arg)
+{
+    cuda_backend *cb = arg;
+    cudaSetDevice(cb->device);
+    pthread_mutex_lock(&cb->mu);
+    for (;;) {
+        while (!cb->stop && cb->npending == 0)
+            pthread_cond_wait(&cb->cv, &cb->mu);
+        if (cb->stop)
+            break;
+        cuda_buf *bf = cb->pending[0];
+        pthread_mutex_unlock(&cb->mu);
+        cudaError_t e = wait_event(cb, bf->end_ev);
+        uint64_t now = uv_hrtime();
+        pthread_mutex_lock(&cb->mu);
+        if (e == cudaErrorNotReady) /* stopping */
+            break;
+        bf->sync_err = e;
+        bf->signaled_ns = now;
+        memmove(cb->pending, cb->pending + 1, --cb->npending * sizeof(cb->pending[0]));
+        cb->signaled[cb->nsignaled++] = bf;
+        pthread_mutex_unlock(&cb->mu);
+        uv_async_send(&cb->wake);
+        pthread_mutex_lock(&cb->mu);
+    }
+    pthread_mutex_unlock(&cb->mu);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Steps 3 and 4 on the loop: done, unstage                               */
 /* ---------------------------------------------------------------------- */
 
 static void unstage_work(uv_work_t *w)
@@ -394,7 +615,9 @@ static void unstage_work(uv_work_t *w)
 
 static void unstage_after(uv_work_t *w, int status)
 {
-    finish(w->data);
+    cuda_buf *bf = w->data;
+    bf->batch->t.unstaged_ns = uv_hrtime();
+    finish(bf);
 }
 
 /* Hands the batch back and frees the buffer. */
@@ -407,58 +630,55 @@ static void finish(cuda_buf *bf)
     kd_backend_complete(&cb->base, b);
 }
 
-static cuda_buf *oldest_running(cuda_backend *cb)
+/* Nanoseconds between two recorded timing events (0 if the driver cannot tell). */
+static uint64_t elapsed_ns(cudaEvent_t a, cudaEvent_t b)
 {
-    cuda_buf *best = NULL;
-    for (int i = 0; i < KD_CUDA_DEPTH; i++) {
-        cuda_buf *bf = &cb->buf[i];
-        if (bf->state == BUF_RUNNING && (!best || bf->seq < best->seq))
-            best = bf;
-    }
-    return best;
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess || !(ms > 0))
+        return 0;
+    return (uint64_t)((double)ms * 1e6);
 }
 
-/* Asks the events of running batches, oldest first, whether they are done. */
-static void check_running(cuda_backend *cb)
+/* The batches the completion thread saw finish, in submission order. */
+static void on_wake(uv_async_t *a)
 {
-    cuda_buf *bf;
-    while ((bf = oldest_running(cb))) {
-        cudaError_t e = cudaEventQuery(bf->done_ev);
-        if (e == cudaErrorNotReady)
-            break;
-        if (e != cudaSuccess) {
-            /* The device faulted: this batch and every later one are lost. */
+    cuda_backend *cb = a->data;
+    cuda_buf *done[KD_CUDA_DEPTH];
+    pthread_mutex_lock(&cb->mu);
+    uint32_t n = cb->nsignaled;
+    memcpy(done, cb->signaled, n * sizeof(done[0]));
+    cb->nsignaled = 0;
+    pthread_mutex_unlock(&cb->mu);
+    uint64_t now = uv_hrtime();
+    for (uint32_t i = 0; i < n; i++) {
+        cuda_buf *bf = done[i];
+        kd_batch *b = bf->batch;
+        if (bf->sync_err != cudaSuccess || cb->fatal) {
+            /* The device faulted: this batch is lost, and so is every later one
+             * (their events report the same sticky error). */
             cb->fatal = true;
-            while ((bf = oldest_running(cb))) {
-                fail_fatal(bf->batch, e, "the prefill batch");
-                finish(bf);
-            }
-            break;
-        }
-        bf->batch->t.done_ns = uv_hrtime();
-        bf->state = BUF_UNSTAGING;
-        if (bf->nouts == 0) {
+            fail_fatal(b, bf->sync_err != cudaSuccess ? bf->sync_err
+                                                      : cudaErrorContextIsDestroyed,
+                       "the prefill batch");
             finish(bf);
             continue;
         }
+        b->t.signaled_ns = bf->signaled_ns;
+        b->t.done_ns = now;
+        b->t.device_ns = elapsed_ns(bf->begin_ev, bf->end_ev);
+        b->t.kernel_ns = b->nseqs ? elapsed_ns(bf->k0_ev, bf->k1_ev) : 0;
+        if (bf->nouts == 0) {
+            b->t.unstaged_ns = now;
+            finish(bf);
+            continue;
+        }
+        bf->state = BUF_UNSTAGING;
         bf->work.data = bf;
         if (uv_queue_work(cb->base.loop, &bf->work, unstage_work, unstage_after) != 0) {
             unstage_work(&bf->work); /* cannot happen with a live loop; stay correct anyway */
-            finish(bf);
+            unstage_after(&bf->work, 0);
         }
     }
-    if (!oldest_running(cb))
-        uv_timer_stop(&cb->poll);
-}
-
-static void on_wake(uv_async_t *a)
-{
-    check_running(a->data);
-}
-
-static void on_poll(uv_timer_t *t)
-{
-    check_running(t->data);
 }
 
 static int cuda_submit(kd_backend *b, kd_batch *batch, kp_error *err)
@@ -478,9 +698,9 @@ static int cuda_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     bf->state = BUF_STAGING;
     bf->work.data = bf;
     if (!needs_staging(cb, batch)) {
-        /* Device memory only (CUDA IPC regions, pinned shared memory): no
-         * thread hop on the latency path.  The callback must not fire from
-         * inside submit, so failures are returned instead. */
+        /* Device memory and shared memory only: no thread hop on the latency
+         * path.  The callback must not fire from inside submit, so failures
+         * are returned instead. */
         const char *what;
         stage_work(&bf->work);
         cudaError_t e = batch->status == KD_BATCH_OK ? enqueue(cb, bf, &what) : cudaSuccess;
@@ -623,8 +843,12 @@ static void free_buf(cuda_buf *bf, uint32_t nbuckets)
         }
     }
     free(bf->graphs);
-    if (bf->done_ev)
-        cudaEventDestroy(bf->done_ev);
+    cudaEvent_t *evs[6] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
+                           &bf->end_ev};
+    for (int i = 0; i < 6; i++) {
+        if (*evs[i])
+            cudaEventDestroy(*evs[i]);
+    }
     cudaFreeHost(bf->desc_host);
     cudaFreeHost(bf->count_host);
     cudaFreeHost(bf->in_host);
@@ -635,20 +859,40 @@ static void free_buf(cuda_buf *bf, uint32_t nbuckets)
     cudaFree(bf->out_dev);
     free(bf->outs);
     free(bf->op_off);
+    free(bf->shm_in.v);
+    free(bf->shm_out.v);
+}
+
+static void stop_waiter(cuda_backend *cb)
+{
+    if (!cb->waiter_started)
+        return;
+    pthread_mutex_lock(&cb->mu);
+    __atomic_store_n(&cb->stop, 1, __ATOMIC_RELAXED);
+    pthread_cond_signal(&cb->cv);
+    pthread_mutex_unlock(&cb->mu);
+    pthread_join(cb->waiter, NULL);
+    cb->waiter_started = false;
 }
 
 static void free_all(cuda_backend *cb)
 {
-    /* A healthy stream is drained first; a faulted one returns at once. */
-    if (cb->stream)
-        cudaStreamSynchronize(cb->stream);
+    stop_waiter(cb);
+    /* Healthy streams are drained first; faulted ones return at once. */
+    cudaStream_t *streams[4] = {&cb->h2d, &cb->stream, &cb->d2h, &cb->aux};
+    for (int i = 0; i < 4; i++) {
+        if (*streams[i])
+            cudaStreamSynchronize(*streams[i]);
+    }
     for (int i = 0; i < KD_CUDA_DEPTH; i++)
         free_buf(&cb->buf[i], cb->nbuckets);
     cudaFree(cb->base.pool.state);
-    if (cb->aux)
-        cudaStreamDestroy(cb->aux);
-    if (cb->stream)
-        cudaStreamDestroy(cb->stream);
+    for (int i = 0; i < 4; i++) {
+        if (*streams[i])
+            cudaStreamDestroy(*streams[i]);
+    }
+    pthread_mutex_destroy(&cb->mu);
+    pthread_cond_destroy(&cb->cv);
     kda_cuda_destroy(cb->k);
     free(cb->buckets);
     free(cb);
@@ -661,13 +905,14 @@ static void on_handle_closed(uv_handle_t *h)
         free_all(cb);
 }
 
-/* The memory is freed once libuv has closed our two handles (the loop must
- * run once more, as it does at shutdown). */
+/* The memory is freed once libuv has closed the doorbell (the loop must run
+ * once more, as it does at shutdown).  No batch is in flight: the completion
+ * thread is idle, and stops first. */
 static void cuda_destroy(kd_backend *b)
 {
     cuda_backend *cb = (cuda_backend *)b;
+    stop_waiter(cb);
     uv_close((uv_handle_t *)&cb->wake, on_handle_closed);
-    uv_close((uv_handle_t *)&cb->poll, on_handle_closed);
 }
 
 static const kd_backend_ops cuda_ops = {
@@ -723,7 +968,14 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
         (e = cudaMalloc((void **)&bf->count_dev, sizeof(int32_t))) ||
         (e = cudaMalloc((void **)&bf->in_dev, cb->stage_bytes)) ||
         (e = cudaMalloc((void **)&bf->out_dev, cb->stage_bytes)) ||
-        (e = cudaEventCreateWithFlags(&bf->done_ev, cudaEventDisableTiming)))
+        (e = cudaEventCreateWithFlags(&bf->in_ev, cudaEventDisableTiming)) ||
+        (e = cudaEventCreateWithFlags(&bf->kernel_ev, cudaEventDisableTiming)) ||
+        (e = cudaEventCreateWithFlags(&bf->begin_ev, cudaEventDefault)) ||
+        (e = cudaEventCreateWithFlags(&bf->k0_ev, cudaEventDefault)) ||
+        (e = cudaEventCreateWithFlags(&bf->k1_ev, cudaEventDefault)) ||
+        (e = cudaEventCreateWithFlags(&bf->end_ev, cb->completion == KD_CUDA_COMPLETION_BLOCK
+                                                       ? cudaEventBlockingSync
+                                                       : cudaEventDefault)))
         return e;
     /* The graphs copy whole buckets: never let them read uninitialised bytes. */
     memset(bf->desc_host, 0, desc);
@@ -757,6 +1009,9 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     }
     cb->k = k;
     cb->device = (int)cfg->device;
+    cb->completion = cfg->completion;
+    pthread_mutex_init(&cb->mu, NULL);
+    pthread_cond_init(&cb->cv, NULL);
     kd_backend *b = &cb->base;
     b->ops = &cuda_ops;
     b->pool = (kda_pool){NULL, cfg->dtype, (int32_t)cfg->heads, cfg->slots};
@@ -782,6 +1037,8 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     int rc = KP_E_INTERNAL;
     if ((e = cudaGetDeviceProperties(&prop, cb->device)) ||
         (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) ||
+        (e = cudaStreamCreateWithFlags(&cb->h2d, cudaStreamNonBlocking)) ||
+        (e = cudaStreamCreateWithFlags(&cb->d2h, cudaStreamNonBlocking)) ||
         (e = cudaStreamCreateWithFlags(&cb->aux, cudaStreamNonBlocking))) {
         rc = cuda_err(err, errlen, e, "creating streams");
         goto fail;
@@ -840,15 +1097,21 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     snprintf(b->info.gpu_name, sizeof(b->info.gpu_name), "%s", prop.name);
     format_uuid(b->info.gpu_uuid, sizeof(b->info.gpu_uuid), &prop.uuid);
 
+    if (pthread_create(&cb->waiter, NULL, waiter_main, cb) != 0) {
+        snprintf(err, errlen, "cannot start the completion thread");
+        rc = KP_E_INTERNAL;
+        goto fail;
+    }
+    cb->waiter_started = true;
     uv_async_init(loop, &cb->wake, on_wake);
-    uv_timer_init(loop, &cb->poll);
-    cb->wake.data = cb->poll.data = cb;
-    cb->handles_open = 2;
+    cb->wake.data = cb;
+    cb->handles_open = 1;
     KD_INFO("backend cuda: %s (%s, %d SMs), pool of %u slots x %u heads (%s, %llu MiB), "
-            "%u graph buckets up to %u sequences, staging 2 x %llu MiB each way",
+            "%u graph buckets up to %u sequences, staging 2 x %llu MiB each way, completion %s",
             prop.name, b->info.gpu_uuid, kda_cuda_sm_count(k), cfg->slots, cfg->heads,
             cfg->dtype == KDA_DTYPE_F32 ? "f32" : "bf16", (unsigned long long)(pool_bytes >> 20),
-            cb->nbuckets, max_seqs, (unsigned long long)(cb->stage_bytes >> 20));
+            cb->nbuckets, max_seqs, (unsigned long long)(cb->stage_bytes >> 20),
+            cb->completion == KD_CUDA_COMPLETION_BLOCK ? "block" : "poll");
     *out = b;
     return KP_OK;
 fail:

@@ -5,8 +5,9 @@
  * Threads: one libuv loop thread owns every socket, the queues, the pool
  * bookkeeping and the layer registry.  The backends do their heavy host work
  * (the cpu prefill, staging copies) on libuv worker threads and report back
- * on the loop; the cuda backend's device work completes through a host
- * function that wakes the loop.  Nothing on the loop waits for a device.
+ * on the loop; the cuda backend learns of its device work's completion from
+ * a thread that waits for each batch's event and wakes the loop.  Nothing
+ * on the loop waits for a device.
  *
  * The engine (kd_daemon_pump): whenever the backend can take another batch
  * (one at a time on cpu, two on cuda so batch k+1 is prepared while batch k

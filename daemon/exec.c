@@ -112,13 +112,22 @@ static int use_ref(kd_req *r, const kp_ref *ref, const char *field, bool output,
     return KP_OK;
 }
 
-/* Staging bytes the backend needs for buf (the same rounding as the cuda
- * backend's; 0 when it uses the memory directly). */
-static uint64_t stage_cost(const kd_req *r, kd_buf buf, uint64_t bytes)
+/* Staging bytes the backend needs for `bytes` it moves through its staging
+ * buffers (the same rounding as the cuda backend's; 0 on a backend that uses
+ * host memory in place). */
+static uint64_t stage_cost(const kd_req *r, uint64_t bytes)
 {
-    if (!daemon_of(r)->backend->info.stages_host || buf.dev)
+    if (!daemon_of(r)->backend->info.stages_host)
         return 0;
     return (bytes + KD_STAGE_ALIGN - 1) / KD_STAGE_ALIGN * KD_STAGE_ALIGN;
+}
+
+/* A prefill tensor's staging: inline bytes (host memory only) are staged,
+ * shared-memory tensors (host memory with a device alias) are copied into
+ * device staging by the cuda backend, device memory (CUDA IPC) is used in place. */
+static uint64_t tensor_stage_cost(const kd_req *r, kd_buf buf, uint64_t bytes)
+{
+    return buf.host ? stage_cost(r, bytes) : 0;
 }
 
 /* A slot transfer that the device must convert between dtypes needs host
@@ -186,15 +195,15 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
             snprintf(field, sizeof(field), "seqs[%u].%s", i, kp_prefill_tensor_name(t));
             if (ref->kind == KP_REF_ABSENT) { /* inline output: a buffer when the batch forms */
                 x->bytes_out[KP_TRANSPORT_ID_INLINE] += kp_token_tensor_bytes(q->len, heads);
-                cost->stage_out += stage_cost(r, *buf, kp_token_tensor_bytes(q->len, heads));
+                cost->stage_out += stage_cost(r, kp_token_tensor_bytes(q->len, heads));
                 continue;
             }
             if ((rc = use_ref(r, ref, field, out, buf, e)))
                 return rc;
             if (out)
-                cost->stage_out += stage_cost(r, *buf, ref->nbytes);
+                cost->stage_out += tensor_stage_cost(r, *buf, ref->nbytes);
             else
-                cost->stage_in += stage_cost(r, *buf, ref->nbytes);
+                cost->stage_in += tensor_stage_cost(r, *buf, ref->nbytes);
         }
         cost->tokens += q->len;
     }
@@ -273,8 +282,7 @@ static int admit_read(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *
     }
     /* The cuda backend stages a pool-dtype copy when it cannot write directly. */
     bool direct = x->read.out.dev && (kda_dtype)p.dtype == daemon_of(r)->backend->pool.dtype;
-    cost->stage_out = stage_cost(r, (kd_buf){NULL, direct ? x->read.out.dev : NULL},
-                                 kd_backend_slot_bytes(daemon_of(r)->backend));
+    cost->stage_out = direct ? 0 : stage_cost(r, kd_backend_slot_bytes(daemon_of(r)->backend));
     *nslots = 1;
     return KP_OK;
 }
@@ -295,8 +303,7 @@ static int admit_write(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error 
     x->write.dtype = p.dtype;
     x->write.pos = p.pos;
     bool direct = x->write.in.dev && (kda_dtype)p.dtype == daemon_of(r)->backend->pool.dtype;
-    cost->stage_in = stage_cost(r, (kd_buf){NULL, direct ? x->write.in.dev : NULL},
-                                kd_backend_slot_bytes(daemon_of(r)->backend));
+    cost->stage_in = direct ? 0 : stage_cost(r, kd_backend_slot_bytes(daemon_of(r)->backend));
     *nslots = 1;
     return KP_OK;
 }

@@ -212,6 +212,83 @@ static void test_shm_matches_inline(void **unused)
     dh_stop(&d);
 }
 
+/* Runs two chained shared-memory prefills of s (first `split` tokens, then
+ * the rest) on a fresh slot of a daemon started with yaml; returns the
+ * outputs (len tokens) and the final f32 state, both malloc'd. */
+static void run_chain(const char *cfg, const dh_seq *s, uint32_t split, uint16_t **out,
+                      float **state)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    test_rng r;
+    if (dh_start(&d, cfg) == 77)
+        skip();
+    rng_seed(&r, 5);
+    setup_client(&c, &d, &l, &r);
+    uint64_t slot = dh_alloc(&c);
+    uint32_t lens[2] = {split, s->len - split};
+    layout lay[2] = {plan(lens[0], 0), {{0}, 0}};
+    lay[1] = plan(lens[1], (lay[0].size + 4095) / 4096 * 4096);
+    uint64_t size = lay[1].size;
+    int fd = memfd(size, true);
+    uint8_t *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    assert_true(map != MAP_FAILED);
+    dh_seq part[2] = {dh_seq_slice(s, 0, lens[0]), dh_seq_slice(s, lens[0], lens[1])};
+    for (int i = 0; i < 2; i++) {
+        fill(map, &lay[i], &part[i]);
+        memset(map + lay[i].off[KP_TENSOR_OUT], 0xff, DH_TOKEN_BYTES(lens[i])); /* poison */
+    }
+    uint32_t region = register_region(&c, fd, size);
+    close(fd);
+    *out = malloc(DH_TOKEN_BYTES(s->len));
+    for (int i = 0; i < 2; i++) {
+        kp_prefill_seq q = region_seq(slot, region, &lay[i], lens[i], true);
+        uint32_t id = send_prefill(&c, &q);
+        dh_expect_result(&c, id);
+        kp_prefill_params req = {"L", &q, 1};
+        kp_prefill_result res;
+        assert_int_equal(kp_prefill_result_decode(&c.msg, &c.session, &req, &res, NULL), KP_OK);
+        assert_int_equal(res.seqs[0].pos, i ? s->len : lens[0]);
+        memcpy(*out + (i ? (size_t)lens[0] * DH_HEADS * 128 : 0), map + lay[i].off[KP_TENSOR_OUT],
+               DH_TOKEN_BYTES(lens[i]));
+    }
+    *state = malloc(DH_STATE_ELEMS * 4);
+    assert_int_equal(dh_read_state(&c, slot, *state), s->len);
+    munmap(map, size);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+/* With staging too small for a request, the cuda backend copies the
+ * shared-memory tensors that fit and reads the others through the region's
+ * mapping: the results are bit-identical to a daemon that copies them all
+ * (the cpu backend reads the mapping either way). */
+static void test_shm_staging_fallback(void **unused)
+{
+    static const char big[] = "heads: 4\nslots: 8\ncpu_threads: 2\n";
+    /* staging: 256 KiB (an inline f32 state) + a state + alignment slack:
+     * about 0.9 MiB, so q and k of a 400-token request are copied, v and g
+     * are not, beta and out are again */
+    static const char small[] = "heads: 4\nslots: 8\ncpu_threads: 2\n"
+                                "limits:\n  max_inline_bytes: 256KiB\n";
+    test_rng r;
+    dh_seq s;
+    rng_seed(&r, 31);
+    dh_seq_make(&s, &r, 430);
+    uint16_t *out_big, *out_small;
+    float *state_big, *state_small;
+    run_chain(big, &s, 400, &out_big, &state_big);
+    run_chain(small, &s, 400, &out_small, &state_small);
+    assert_memory_equal(out_big, out_small, DH_TOKEN_BYTES(430));
+    assert_memory_equal(state_big, state_small, DH_STATE_ELEMS * 4);
+    free(out_big);
+    free(out_small);
+    free(state_big);
+    free(state_small);
+    dh_seq_free(&s);
+}
+
 static void test_shm_hostile_references(void **unused)
 {
     dh_daemon d;
@@ -399,6 +476,7 @@ int main(void)
         return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_shm_matches_inline, dh_teardown),
+        cmocka_unit_test_teardown(test_shm_staging_fallback, dh_teardown),
         cmocka_unit_test_teardown(test_shm_hostile_references, dh_teardown),
         cmocka_unit_test_teardown(test_shm_registration_refused, dh_teardown),
         cmocka_unit_test_teardown(test_shm_release_and_lifetime, dh_teardown),
