@@ -164,6 +164,12 @@ static void on_batch_done(void *ctx, kd_batch *batch)
     if (batch->status != KD_BATCH_OK)
         KD_ERROR("batch of %u requests failed (%d): %s", run->nreqs, (int)batch->status,
                  batch->message);
+    /* Work that waited for a free buffer goes to the device before this
+     * batch's responses are written, so the device does not idle meanwhile.
+     * Its jobs still head their slots' FIFOs: nothing queued behind them on
+     * the same slots can form yet. */
+    if (batch->status == KD_BATCH_OK)
+        kd_daemon_pump(d);
     for (uint32_t i = 0; i < run->nreqs; i++)
         kd_exec_finish(run->reqs[i], batch);
     if (batch->status == KD_BATCH_OK) {
