@@ -2,17 +2,29 @@
 # End-to-end benchmark of kdad on a GPU host (issue 4): per-request latency of
 # the six standard workloads over each transport, and throughput of many
 # concurrent 1024-token clients with and without batching.  Each measurement
-# is one `kdactl --json bench` line appended to $OUT/e2e.jsonl, tagged with
-# its workload; scripts/e2e-report.py joins them with the kernel's own times.
+# is one line of $OUT/e2e.jsonl:
+#   {"workload", "variant", "summary", "bench": kdactl --json bench,
+#    "stats_before": kdactl --json stats, "stats_after": kdactl --json stats}
+# The stats pair brackets the measurement: the difference of their batch_us
+# sums is where the daemon's time went, per phase, for exactly its batches.
+# scripts/e2e-report.py joins the lines with the kernel's own times.
 #
 #   scripts/e2e-bench.sh BIN_DIR      (BIN_DIR holds kdad and kdactl)
+#
+# Variants: "poll" is bench/e2e-h200.yaml as it is (cuda_completion: poll, the
+# default); "block" repeats the CUDA IPC latency rows and the 8-client row with
+# cuda_completion: block.  E2E_ONLY=nobatch runs only the batching-off rows,
+# E2E_ONLY=ipc only the CUDA IPC rows (both variants), for quick checks.
 set -uo pipefail
 bin=${1:?usage: e2e-bench.sh BIN_DIR}
 out=${OUT:-/tmp/kdad-e2e}
 mkdir -p "$out"
 : > "$out/e2e.jsonl"
+: > "$out/e2e-summary.txt"
 mixed=1300,547,2048,963,271,3063
 uniform=1024,1024,1024,1024,1024,1024,1024,1024
+only=${E2E_ONLY:-}
+variant=poll
 
 start_kdad() {   # start_kdad HEADS CONFIG: kdad in the background on $sock
   sock=$(mktemp -u /tmp/kdad-e2e-XXXXXX.sock)
@@ -27,36 +39,85 @@ start_kdad() {   # start_kdad HEADS CONFIG: kdad in the background on $sock
 }
 stop_kdad() { kill -TERM "$kdad_pid"; wait "$kdad_pid"; echo "kdad exit $?" >>"$out/kdad.log"; }
 
-measure() {      # measure WORKLOAD KDACTL_BENCH_ARGS...: one JSON line
-  local name=$1; shift
-  local json
-  json=$("$bin/kdactl" --socket "$sock" --json bench "$@" 2>>"$out/kdactl.err") || echo "bench failed: $name $*" >&2
-  [ -n "$json" ] && printf '{"workload": "%s", "bench": %s}\n' "$name" "$(echo "$json" | tr -d '\n')" >>"$out/e2e.jsonl"
+stats() { "$bin/kdactl" --socket "$sock" --json stats 2>>"$out/kdactl.err" | tr -d '\n'; }
+field() {        # field JSON NAME: the first number after "NAME":
+  grep -o "\"$2\": *[-0-9.e+]*" <<<"$1" | head -1 | sed 's/.*: *//'
+}
+sfield() {       # sfield JSON NAME: the first string after "NAME":
+  grep -o "\"$2\": *\"[^\"]*\"" <<<"$1" | head -1 | sed 's/.*: *"//; s/"$//'
 }
 
-# E2E_ONLY=nobatch runs only the batching-off comparison.
-for heads in 96 64; do
-  [ "${E2E_ONLY:-}" = nobatch ] && break
-  start_kdad "$heads" bench/e2e-h200.yaml || exit 1
-  for t in cuda-ipc shm inline; do
+measure() {      # measure WORKLOAD KDACTL_BENCH_ARGS...: one JSON line
+  local name=$1; shift
+  local json before after summary
+  before=$(stats)
+  json=$("$bin/kdactl" --socket "$sock" --json bench "$@" 2>>"$out/kdactl.err" | tr -d '\n') ||
+    echo "bench failed: $name $*" >&2
+  after=$(stats)
+  [ -n "$json" ] || return 0
+  # the latency p50 is the first "p50" of the bench object (latency_ms)
+  local p50 tps q r dev ker
+  p50=$(field "$json" p50); tps=$(field "$json" tokens_per_s)
+  q=$(field "$json" daemon_queue_us_p50); r=$(field "$json" daemon_run_us_p50)
+  dev=$(field "$json" daemon_device_us_p50); ker=$(field "$json" daemon_kernel_us_p50)
+  summary=$(printf '%s %s: e2e p50 %.3f ms, %.0f tokens/s; daemon p50 us: queue %.0f run %.0f device %.0f kernel %.0f' \
+    "$(sfield "$json" transport)" "$variant" "${p50:-0}" "${tps:-0}" "${q:-0}" "${r:-0}" "${dev:-0}" "${ker:-0}")
+  echo "$name | $summary" | tee -a "$out/e2e-summary.txt"
+  printf '{"workload": "%s", "variant": "%s", "summary": "%s", "bench": %s, "stats_before": %s, "stats_after": %s}\n' \
+    "$name" "$variant" "$summary" "$json" "${before:-null}" "${after:-null}" >>"$out/e2e.jsonl"
+}
+
+latency_rows() { # latency_rows HEADS TRANSPORTS...
+  local heads=$1 t n; shift
+  for t in "$@"; do
     n=20; [ "$t" = inline ] && n=8
     measure "H$heads fixed 8192" --lengths 8192 --transport "$t" --requests $n --warmup 2
     measure "H$heads mixed" --lengths "$mixed" --transport "$t" --requests $n --warmup 2
     measure "H$heads uniform 8x1024" --lengths "$uniform" --transport "$t" --requests $n --warmup 2
   done
-  if [ "$heads" = 96 ]; then
-    for c in 8 64; do
-      for t in cuda-ipc shm; do
-        measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients $c --requests $((c * 25)) --transport "$t"
-      done
-    done
-  fi
-  stop_kdad
-done
+}
 
-start_kdad 96 bench/e2e-h200-nobatch.yaml || exit 1
-for c in 8 64; do
-  measure "H96 clients x 1024, max_batch_seqs 1" --tokens 1024 --dist fixed --seqs 1 --clients $c --requests $((c * 25)) --transport cuda-ipc
-done
-stop_kdad
+clients_row() {  # clients_row CLIENTS TRANSPORT [WORKLOAD]
+  measure "${3:-H96 clients x 1024}" --tokens 1024 --dist fixed --seqs 1 --clients "$1" \
+    --requests $(($1 * 25)) --transport "$2"
+}
+
+if [ -z "$only" ]; then
+  for heads in 96 64; do
+    start_kdad "$heads" bench/e2e-h200.yaml || exit 1
+    latency_rows "$heads" cuda-ipc shm inline
+    if [ "$heads" = 96 ]; then
+      for c in 8 64; do
+        for t in cuda-ipc shm; do clients_row $c $t; done
+      done
+    fi
+    stop_kdad
+  done
+elif [ "$only" = ipc ]; then
+  start_kdad 96 bench/e2e-h200.yaml || exit 1
+  latency_rows 96 cuda-ipc
+  clients_row 8 cuda-ipc
+  stop_kdad
+fi
+
+# The other completion mode, on the rows it matters for.
+if [ -z "$only" ] || [ "$only" = ipc ]; then
+  block_cfg=$(mktemp /tmp/kdad-e2e-block-XXXXXX.yaml)
+  { cat bench/e2e-h200.yaml; echo "cuda_completion: block"; } > "$block_cfg"
+  variant=block
+  start_kdad 96 "$block_cfg" || exit 1
+  latency_rows 96 cuda-ipc
+  clients_row 8 cuda-ipc
+  stop_kdad
+  variant=poll
+  rm -f "$block_cfg"
+fi
+
+if [ -z "$only" ] || [ "$only" = nobatch ]; then
+  start_kdad 96 bench/e2e-h200-nobatch.yaml || exit 1
+  for c in 8 64; do
+    clients_row $c cuda-ipc "H96 clients x 1024, max_batch_seqs 1"
+  done
+  stop_kdad
+fi
 wc -l "$out/e2e.jsonl"
