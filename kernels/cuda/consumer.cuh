@@ -6,14 +6,16 @@
  * of a 64 x N accumulator, warp w holds rows 16w + g and 16w + g + 8
  * (g = lane / 4) and, per 8-column tile n, columns 8n + 2(lane % 4) + {0, 1}.
  *
- * Per chunk (V-major state S[v][k], KDA.md "Chunked form"):
- *   1  [P | O1]^T = (S diag(e^c)) . [kdc | qdc]^T     m64 n64 k128   A: state, registers
- *   2  Uin^T = b (V^T - P^T)                          registers
+ * Per chunk (V-major state S[v][k], KDA.md "Chunked form"; the operands are
+ * built from raw q and k, with the norms as per-token factors: smem.cuh):
+ *   1  [P | O1]^T = (S diag(e^c)) . [kd | qd]^T       m64 n64 k128   A: state, registers
+ *   2  Uin^T = b n V^T - b n^2 P^T                    registers
  *   3  U^T = Uin^T . INV^T                            m64 n32 k32    A: Uin^T, registers
  *   4  [S | O]^T = [S diag(e^G_last) | O1^T] + U^T . [Kr | Mqk^T]
  *                                                     m64 n160 k32   A: U^T, registers
- * then O is stored as bf16, and after the item's last chunk S goes back to
- * its pool slot (in place: the slot is read once at the first chunk).
+ * then O, times scale / |q_t|, is stored as bf16, and after the item's last
+ * chunk S goes back to its pool slot (in place: the slot is read once at the
+ * first chunk).
  */
 #pragma once
 
@@ -123,7 +125,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             PROF_MARK(PROF_C_STATE);
         }
 
-        /* 1: [P | O1]^T = (S e^c) . [kdc | qdc]^T */
+        /* 1: [P | O1]^T = (S e^c) . [kd | qd]^T */
         uint32_t a1[D / 16][4];
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++) {
@@ -152,14 +154,15 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         fence_operands(pq);
         PROF_MARK(PROF_C_STEP1);
 
-        /* 2: Uin^T = b (V - P)^T */
+        /* 2: Uin^T = b n V^T - b n^2 P^T */
 #pragma unroll
         for (int nt = 0; nt < C / 8; nt++) {
-            const float2 b = *reinterpret_cast<const float2 *>(&st.beta[8 * nt + ln.col]);
-            pq[4 * nt + 0] = b.x * (__uint_as_float(vt[nt].x << 16) - pq[4 * nt + 0]);
-            pq[4 * nt + 1] = b.y * (__uint_as_float(vt[nt].x & 0xffff0000u) - pq[4 * nt + 1]);
-            pq[4 * nt + 2] = b.x * (__uint_as_float(vt[nt].y << 16) - pq[4 * nt + 2]);
-            pq[4 * nt + 3] = b.y * (__uint_as_float(vt[nt].y & 0xffff0000u) - pq[4 * nt + 3]);
+            const float2 bn = *reinterpret_cast<const float2 *>(&st.bn[8 * nt + ln.col]);
+            const float2 bn2 = *reinterpret_cast<const float2 *>(&st.bn2[8 * nt + ln.col]);
+            pq[4 * nt + 0] = bn.x * __uint_as_float(vt[nt].x << 16) - bn2.x * pq[4 * nt + 0];
+            pq[4 * nt + 1] = bn.y * __uint_as_float(vt[nt].x & 0xffff0000u) - bn2.y * pq[4 * nt + 1];
+            pq[4 * nt + 2] = bn.x * __uint_as_float(vt[nt].y << 16) - bn2.x * pq[4 * nt + 2];
+            pq[4 * nt + 3] = bn.y * __uint_as_float(vt[nt].y & 0xffff0000u) - bn2.y * pq[4 * nt + 3];
         }
 
         /* 3: U^T = Uin^T . INV^T */
@@ -207,11 +210,13 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         /* epilogue: this chunk's outputs, and the state after the item's last chunk */
 #pragma unroll
         for (int nt = 0; nt < C / 8; nt++) {
+            const float2 os = *reinterpret_cast<const float2 *>(&st.out_scale[8 * nt + ln.col]);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int i = 8 * nt + ln.col + (e & 1), row = ln.row0 + (e >= 2 ? 8 : 0);
                 if (i < hdr.ntok)
-                    out[(hdr.t0 + i) * stride + int64_t(hdr.head) * D + row] = f32_to_bf16(acc[64 + 4 * nt + e]);
+                    out[(hdr.t0 + i) * stride + int64_t(hdr.head) * D + row] =
+                        f32_to_bf16(acc[64 + 4 * nt + e] * ((e & 1) ? os.y : os.x));
             }
         }
         if (hdr.flags & CHUNK_LAST)

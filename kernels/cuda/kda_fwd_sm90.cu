@@ -1,12 +1,13 @@
 /*
  * kda_fwd_sm90.cu - the fused KDA prefill kernel for Hopper (sm_90a).
  *
- * One persistent CTA per SM, three warpgroups:
- *   WG0      producer: loads chunks (bulk copies) and prepares the state-free
- *            operands of each chunk (gates, decayed q/k, L, Mqk, (I+L)^-1)
- *   WG1, WG2 consumers: the serial chain, each owning 64 fp32 state rows
+ * One persistent CTA per SM, four warpgroups:
+ *   WG0, WG1 producers: load chunks (bulk copies) and prepare, together, the
+ *            state-free operands of each chunk (gates, decayed q/k, norms,
+ *            L, Mqk, (I+L)^-1)
+ *   WG2, WG3 consumers: the serial chain, each owning 64 fp32 state rows
  *            in registers, wgmma for every product
- * connected by a 3-stage ring of prepared chunks with full/empty mbarriers.
+ * connected by a 2-stage ring of prepared chunks with full/empty mbarriers.
  * Work items are (sequence, head) chains from a device counter
  * (scheduler.cuh); the pool slot is read at an item's first chunk and
  * written after its last, so the update is in place.
@@ -25,13 +26,14 @@ __global__ void __launch_bounds__(THREADS, 1) kda_fwd_kernel(const __grid_consta
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();   /* built for another architecture: wgmma and setmaxnreg need sm_90a */
 #else
+    /* Aligned by an offset from the __shared__ array (not through an integer cast), so the
+       compiler keeps every access in the shared space: 32-bit addresses, LDS/STS. */
     extern __shared__ uint8_t smem_raw[];
-    SharedStorage &sm =
-        *reinterpret_cast<SharedStorage *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    SharedStorage &sm = *reinterpret_cast<SharedStorage *>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < PREP_STAGES; s++) {
-            mbar_init(&sm.full[s], WG_THREADS);
+            mbar_init(&sm.full[s], PRODUCER_THREADS);
             mbar_init(&sm.empty[s], WG_THREADS * CONSUMER_WGS);
         }
         for (int s = 0; s < RAW_STAGES; s++)
@@ -39,13 +41,13 @@ __global__ void __launch_bounds__(THREADS, 1) kda_fwd_kernel(const __grid_consta
     }
     __syncthreads();
 
-    const int wg = threadIdx.x / WG_THREADS, tid = threadIdx.x % WG_THREADS;
-    if (wg == 0) {
+    const int wg = threadIdx.x / WG_THREADS;
+    if (wg < PRODUCER_WGS) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        producer_main(sm, p, tid);
+        producer_main(sm, p, threadIdx.x);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
-        consumer_main(sm, p, wg - 1, tid);
+        consumer_main(sm, p, wg - PRODUCER_WGS, threadIdx.x % WG_THREADS);
     }
     __syncthreads();
     if (threadIdx.x == 0)

@@ -2,9 +2,10 @@
  * smem.cuh - the fused kernel's shared memory: tile shapes, the 128-byte
  * swizzled operand layout, the pipeline stages and their barriers.
  *
- *   PrepStage x 2   chunk operands the producer prepares for the consumers
- *   RawStage  x 3   q, k, g, v of a chunk as loaded by the copy engine
- *   ProducerScratch the producer's private working set
+ *   PrepStage x 2   chunk operands the producers prepare for the consumers
+ *   RawStage  x 3   q, k, g, v of a chunk as loaded by the copy engine, with
+ *                   the chunk's header and layer weights
+ *   ProducerScratch the producers' private working set
  *   full/empty      one mbarrier pair per PrepStage
  */
 #pragma once
@@ -18,29 +19,31 @@ constexpr int C = 32;               /* tokens per chunk */
 constexpr int PREP_STAGES = 2;      /* prepared chunks in flight: one consumed while one is prepared */
 constexpr int RAW_STAGES = 3;       /* chunk loads in flight: issued two chunks ahead */
 
-/* Warpgroup roles: WG0 prepares chunks, WG1 and WG2 each own 64 state rows. */
+/* Warpgroup roles: WG0 and WG1 prepare each chunk together, WG2 and WG3 each own 64 state rows. */
 constexpr int WG_THREADS = 128;
+constexpr int PRODUCER_WGS = 2;
 constexpr int CONSUMER_WGS = 2;
-constexpr int THREADS = WG_THREADS * (1 + CONSUMER_WGS);
+constexpr int PRODUCER_THREADS = WG_THREADS * PRODUCER_WGS;
+constexpr int THREADS = WG_THREADS * (PRODUCER_WGS + CONSUMER_WGS);
 constexpr int ROWS_PER_CONSUMER = D / CONSUMER_WGS;
 
 /*
- * Register budgets (setmaxnreg): 384 threads launch with 168 registers each
- * (64,512 of the SM's 65,536), which the roles then split 152 / 176 / 176
- * (the smallest budgets ptxas compiles without spills).  Each consumer
- * thread holds the fp32 state (64) and output (16) accumulators, the
- * [P | O1] accumulator (32), the bf16 A fragments of the state (32), U (16)
- * and the chunk's V values (16); the producer its chunk cursor, a 16-register
- * wgmma accumulator and one 8-token group of a chunk at a time.
+ * Register budgets (setmaxnreg): 512 threads launch with 128 registers each
+ * (all 65,536 of the SM's), which the roles then split 80 / 176.  Each
+ * consumer thread holds the fp32 state (64) and output (16) accumulators,
+ * the [P | O1] accumulator (32), the bf16 A fragments of the state (32), U
+ * (16) and the chunk's V values (8); a producer thread one key-dim pair of
+ * an 8-token quarter chunk, or a 32-register wgmma accumulator.
  */
-constexpr uint32_t PRODUCER_REGS = 152;
+constexpr int LAUNCH_REGS = 65536 / THREADS;
+constexpr uint32_t PRODUCER_REGS = 80;
 constexpr uint32_t CONSUMER_REGS = 176;
-static_assert(PRODUCER_REGS * WG_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMER_WGS == 168 * THREADS,
+static_assert(PRODUCER_REGS * PRODUCER_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMER_WGS == LAUNCH_REGS * THREADS,
               "register budgets exceed the launch allocation");
 
 enum NamedBarrier : uint32_t {
     BAR_ALL = 0,        /* __syncthreads */
-    BAR_PRODUCER = 1,   /* the producer warpgroup */
+    BAR_PRODUCERS = 1,  /* the two producer warpgroups */
 };
 
 /*
@@ -91,33 +94,65 @@ enum : uint32_t {
     CHUNK_END = 4u,     /* no more work: consumers exit */
 };
 
+/*
+ * The tiles are built from the raw (unnormalised) q and k: the L2 norms come
+ * from the diagonal of the same wgmma that forms L and Mqk, and are applied
+ * as per-token factors (n_t = 1 / |k_t|, m_t = 1 / |q_t|):
+ *   L^  = diag(b n^2) strictly_lower(kd ki^T) = diag(n) L diag(1/n), so the solve
+ *         with (I + L^)^-1 gives n U from the input n Uin = b n V - b n^2 P
+ *         (P = S kd^T from the raw kd), and n U is what Kr and Mqk (raw k) need
+ *   O   = scale m (O1 + (n U) Mqk^T)
+ */
 struct alignas(1024) PrepStage {
-    Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 k^ e^(G-c), rows 32..63 scale q^ e^(G-c) */
-    Sw128Tile<D + C, 64> krm;    /* [160 x 64], cols 0..31: rows 0..127 Kr^T[d][j], 128..159 Mqk[i][j] */
-    Sw128Tile<C, 64> inv;        /* [32 x 64], cols 0..31: (I + L)^-1 */
-    Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values, read by ldmatrix.trans */
-    float beta[C];               /* sigmoid(beta); 0 past the chunk's last token */
+    Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 kd = k e^(G-c), rows 32..63 qd = q e^(G-c) */
+    Sw128Tile<D + C, 64> krm;    /* [160 x 64], cols 0..31: rows 0..127 Kr^T[d][j] = k_j e^(G_last-G_j), 128..159 Mqk[i][j] */
+    Sw128Tile<C, 64> inv;        /* [32 x 64], cols 0..31: (I + L^)^-1 */
+    Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values, read by ldmatrix.trans; 0 past the end */
+    float bn[C];                 /* b n: scales V in Uin; 0 past the chunk's last token */
+    float bn2[C];                /* b n^2: scales P in Uin; 0 past the chunk's last token */
+    float out_scale[C];          /* scale m: the output's factor */
     float gam_last[D];           /* e^(G_last): the state's decay over the chunk, per key dim */
-    float gam_mid[D];            /* e^c, c = G at the chunk's middle: undoes the centring in S . kdc */
+    float gam_mid[D];            /* e^c, c = G at the chunk's middle: undoes the centring in S . kd */
     ChunkHeader hdr;
 };
 
+/* What the loading warp records with a chunk's bulk copies. */
+struct ChunkInfo {
+    ChunkHeader hdr;
+    float exp_a;                 /* e^A_log of the head */
+    float lb2;                   /* lower_bound in log2 units */
+    float scale;
+    float beta[C];               /* sigmoid(beta); 0 past the chunk's last token (stored one chunk later) */
+    alignas(16) float dt_bias[D];   /* the head's dt_bias (a bulk copy when 16-byte aligned) */
+};
+
 struct alignas(128) RawStage {
-    uint16_t q[C * D];           /* [32 x 128] bf16, row-major; rows past the end zero-filled */
+    uint16_t q[C * D];           /* [32 x 128] bf16, row-major; rows past the end are stale */
     uint16_t k[C * D];
     uint16_t g[C * D];
     uint16_t v[C * D];
+    ChunkInfo info;
+};
+
+/* The loading warp's position in the work: the chunk it issues next. */
+struct LoadCursor {
+    const uint16_t *q, *k, *v, *g, *beta;
+    const float *dt_bias;        /* the head's row, or null (a zero-length item) */
+    int64_t len;
+    int32_t seq, head;           /* seq < 0: no more work */
+    int32_t t0;                  /* first token of the next chunk */
+    float exp_a, lb2, scale;
 };
 
 struct alignas(1024) ProducerScratch {
-    Sw128Tile<C, D> kic;         /* [32 x 128]: k^ e^(c-G), the B operand of L and Mqk */
-    float2 half_total[2][D / 2]; /* per key-dim pair: the gate sum over each half of the chunk */
-    float lmat[C][C + 2];        /* strictly lower diag(b) kd ki^T, fp32 (rows padded, 8-byte aligned) */
-    float inv[C][C + 1];         /* (I + L)^-1 under construction, fp32 */
+    Sw128Tile<2 * C, D> kiq;     /* [64 x 128]: rows 0..31 ki = k e^(c-G), rows 32..63 q e^(c-G) */
+    union {                      /* lifetimes do not overlap: the gates, then L and the inverse */
+        float2 quarter_total[4][D / 2];   /* per key-dim pair: the gate sum over each quarter chunk */
+        float lmat[C][C + 2];    /* strictly lower diag(b n^2) kd ki^T, fp32 (rows padded, 8-byte aligned) */
+    };
+    float inv[C][C + 1];         /* (I + L^)^-1 under construction, fp32 */
     float x[C / 2][C / 2 + 1];   /* L21 . A^-1 while merging diagonal blocks of the inverse */
-    float inv_norm_q[C];
-    float inv_norm_k[C];
-    int32_t item[2];             /* scheduler broadcast: (seq, head) or (-1, -1) */
+    LoadCursor cursor;
 };
 
 struct SharedStorage {
@@ -125,7 +160,7 @@ struct SharedStorage {
     RawStage raw[RAW_STAGES];
     ProducerScratch scratch;
     uint64_t loaded[RAW_STAGES]; /* bulk copies -> producer: raw stage filled (1 arrival + bytes) */
-    uint64_t full[PREP_STAGES];  /* producer -> consumers: stage prepared (128 arrivals) */
+    uint64_t full[PREP_STAGES];  /* producers -> consumers: stage prepared (256 arrivals) */
     uint64_t empty[PREP_STAGES]; /* consumers -> producer: stage consumed (256 arrivals) */
 };
 

@@ -6,7 +6,7 @@
  *   rs_n64   D[64x64]   = A[64x128] (registers) . B (Sw128Tile<64,128>)   consumer step 1
  *   rs_n32   D[64x32]   = A[64x32]  (registers) . B (Sw128Tile<32,64>)    consumer step 3
  *   rs_n160  D[64x160] += A[64x32]  (registers) . B (Sw128Tile<160,64>)   consumer step 4
- *   ss_n32   D[64x32]   = A (Sw128Tile<64,128>) . B (Sw128Tile<32,128>)   producer L, Mqk
+ *   ss_n64   D[64x64]   = A (Sw128Tile<64,128>) . B (Sw128Tile<64,128>)   producer L, Mqk, norms
  *
  * against a float64 product of the same bf16 values; and the swizzled
  * addressing (Sw128Tile::offset) as the kernel's loops compute it, against a
@@ -52,13 +52,13 @@ __device__ void fill_tile(Sw128Tile<ROWS, COLS> &t, const uint16_t *src, int row
 }
 
 struct alignas(1024) LayoutSmem {
-    Sw128Tile<64, 128> a;      /* ss_n32 A, rs_n64 B */
+    Sw128Tile<64, 128> a;      /* ss_n64 A, rs_n64 B */
     Sw128Tile<160, 64> b160;
-    Sw128Tile<32, 128> b32k;
+    Sw128Tile<64, 128> b64k;
     Sw128Tile<32, 64> b32;
 };
 
-/* which: 0 rs_n64, 1 rs_n32, 2 rs_n160, 3 ss_n32.  A: [64 x K] row-major, B: [N x K] (B^T) row-major. */
+/* which: 0 rs_n64, 1 rs_n32, 2 rs_n160, 3 ss_n64.  A: [64 x K] row-major, B: [N x K] (B^T) row-major. */
 __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, const float *Dinit, float *D)
 {
     extern __shared__ uint8_t raw[];
@@ -142,27 +142,27 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
         }
     } else {
         fill_tile(sm.a, A, 64, 128);
-        fill_tile(sm.b32k, B, 32, 128);
+        fill_tile(sm.b64k, B, 64, 128);
         fence_proxy_async();
         __syncthreads();
-        float d[16];
-        for (int i = 0; i < 16; i++)
+        float d[32];
+        for (int i = 0; i < 32; i++)
             d[i] = 0.0f;
         fence_operands(d);
         wgmma_fence();
         for (int ks = 0; ks < 8; ks++)
-            wgmma_m64n32k16_ss(d, sw128_desc(sm.a.kslice(ks)), sw128_desc(sm.b32k.kslice(ks)), ks > 0);
+            wgmma_m64n64k16_ss(d, sw128_desc(sm.a.kslice(ks)), sw128_desc(sm.b64k.kslice(ks)), ks > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(d);
-        for (int i = 0; i < 16; i++) {
+        for (int i = 0; i < 32; i++) {
             acc_pos(tid, i, row, col);
-            D[row * 32 + col] = d[i];
+            D[row * 64 + col] = d[i];
         }
     }
 }
 
-/* Offsets in the index patterns of the producer's scatters (prepare_gates, prepare_lmqk, prepare_inverse). */
+/* Offsets in the index patterns of the producer's scatters (prepare_tiles, prepare_lmqk). */
 __global__ void offsets_kernel(uint32_t *out)
 {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -292,7 +292,7 @@ int main()
         {"rs_n64  (step 1: S . [kdc|qdc]^T)", 0, 64, 128},
         {"rs_n32  (step 3: Uin^T . INV^T)", 1, 32, 32},
         {"rs_n160 (step 4: [S|O] += U^T . [Kr|Mqk^T])", 2, 160, 32},
-        {"ss_n32  (producer: [kdc;qdc] . kic^T)", 3, 32, 128},
+        {"ss_n64  (producer: [kd;qd] . [ki;qi]^T)", 3, 64, 128},
     };
     const int bad_offsets = check_offsets();
     printf("%-48s %d wrong offsets  %s\n", "swizzle addressing (kernel index patterns)", bad_offsets,
