@@ -35,7 +35,7 @@ int kda_cuda_sm_count(const kda_cuda *cuda);
 
 /*
  * Host-side check of a batch before its descriptors are uploaded:
- * kda_batch_check plus the kernel's alignment rule (q, k, v, g 16-byte
+ * kda_batch_check plus the kernel's alignment rule (q, k, v, g, out 16-byte
  * aligned).  Does not dereference device pointers.
  */
 int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err);

@@ -13,9 +13,9 @@
  *   3  U^T = Uin^T . INV^T                            m64 n32 k32    A: Uin^T, registers
  *   4  [S | O]^T = [S diag(e^G_last) | O1^T] + U^T . [Kr | Mqk^T]
  *                                                     m64 n160 k32   A: U^T, registers
- * then O, times scale / |q_t|, is stored as bf16, and after the item's last
- * chunk S goes back to its pool slot (in place: the slot is read once at the
- * first chunk).
+ * then O, times scale / |q_t|, is stored as bf16 (through the stage's value
+ * tile, for whole-row stores), and after the item's last chunk S goes back
+ * to its pool slot (in place: the slot is read once at the first chunk).
  */
 #pragma once
 
@@ -204,21 +204,33 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(acc);
-        mbar_arrive(&sm.empty[n % PREP_STAGES]);    /* every read of this stage is done */
         PROF_MARK(PROF_C_STEP4);
 
-        /* epilogue: this chunk's outputs, and the state after the item's last chunk */
+        /* epilogue: O^T times scale / |q_t|, transposed by stmatrix into the value tile (whose rows
+           are tokens, like the output's; each warpgroup reads only its own 64 columns of it), then
+           stored by rows with 16-byte stores */
+        uint32_t o[2][4];
 #pragma unroll
         for (int nt = 0; nt < C / 8; nt++) {
             const float2 os = *reinterpret_cast<const float2 *>(&st.out_scale[8 * nt + ln.col]);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i = 8 * nt + ln.col + (e & 1), row = ln.row0 + (e >= 2 ? 8 : 0);
-                if (i < hdr.ntok)
-                    out[(hdr.t0 + i) * stride + int64_t(hdr.head) * D + row] =
-                        f32_to_bf16(acc[64 + 4 * nt + e] * ((e & 1) ? os.y : os.x));
-            }
+            for (int h = 0; h < 2; h++)            /* 8 x 8 matrix (nt, h): tokens 8nt.., rows 8h.. of the warp's 16 */
+                o[nt / 2][2 * (nt % 2) + h] = pack_bf16x2(acc[64 + 4 * nt + 2 * h] * os.x, acc[64 + 4 * nt + 2 * h + 1] * os.y);
         }
+#pragma unroll
+        for (int call = 0; call < 2; call++) {
+            const int m = 4 * call + (lane >> 3), nt = m / 2, h = m % 2;
+            stmatrix_x4_trans(st.v.at(8 * nt + (lane & 7), ln.row0 - (lane >> 2) + 8 * h), o[call]);
+        }
+        named_barrier_sync(BAR_CONSUMER + wg, WG_THREADS);
+#pragma unroll
+        for (int pass = 0; pass < 2; pass++) {
+            const int i = tid / 8 + 16 * pass, col = wg * ROWS_PER_CONSUMER + (tid % 8) * 8;
+            if (i < hdr.ntok)
+                *reinterpret_cast<uint4 *>(out + (hdr.t0 + i) * stride + int64_t(hdr.head) * D + col) =
+                    *reinterpret_cast<const uint4 *>(st.v.at(i, col));
+        }
+        mbar_arrive(&sm.empty[n % PREP_STAGES]);    /* every read of this stage is done */
         if (hdr.flags & CHUNK_LAST)
             store_state(acc, p, slot, hdr.head, ln);
         PROF_MARK(PROF_C_EPILOGUE);

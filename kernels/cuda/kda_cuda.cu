@@ -84,9 +84,9 @@ extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, i
                         (long long)nseqs, pool->heads);
     for (int64_t i = 0; i < nseqs; i++) {
         const kda_seq *s = &seqs[i];
-        const uintptr_t any = (uintptr_t)s->q | (uintptr_t)s->k | (uintptr_t)s->v | (uintptr_t)s->g;
+        const uintptr_t any = (uintptr_t)s->q | (uintptr_t)s->k | (uintptr_t)s->v | (uintptr_t)s->g | (uintptr_t)s->out;
         if (s->len > 0 && (any & 15))
-            return kda_fail(err, KDA_EINVAL, "seqs[%lld]: q, k, v and g must be 16-byte aligned", (long long)i);
+            return kda_fail(err, KDA_EINVAL, "seqs[%lld]: q, k, v, g and out must be 16-byte aligned", (long long)i);
         if (s->len > INT32_MAX - 32)
             return kda_fail(err, KDA_EINVAL, "seqs[%lld]: %lld tokens exceed the kernel's range",
                             (long long)i, (long long)s->len);

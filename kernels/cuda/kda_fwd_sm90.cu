@@ -2,7 +2,7 @@
  * kda_fwd_sm90.cu - the fused KDA prefill kernel for Hopper (sm_90a).
  *
  * One persistent CTA per SM, four warpgroups:
- *   WG0, WG1 producers: load chunks (bulk copies) and prepare, together, the
+ *   WG0, WG1 producers: load chunks (cp.async) and prepare, together, the
  *            state-free operands of each chunk (gates, decayed q/k, norms,
  *            L, Mqk, (I+L)^-1)
  *   WG2, WG3 consumers: the serial chain, each owning 64 fp32 state rows
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(THREADS, 1) kda_fwd_kernel(const __grid_consta
             mbar_init(&sm.empty[s], WG_THREADS * CONSUMER_WGS);
         }
         for (int s = 0; s < RAW_STAGES; s++)
-            mbar_init(&sm.loaded[s], 1);
+            mbar_init(&sm.loaded[s], WG_THREADS);
     }
     __syncthreads();
 

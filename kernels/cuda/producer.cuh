@@ -8,8 +8,8 @@
  * within e^+-80 (KDA.md, "Range").  Producer thread p (0..255) owns key-dim
  * pair p % 64 over quarter chunk p / 64 (8 tokens):
  *
- *   issue    warp 0 starts the bulk copies of chunk n + 2 (q, k, g, v rows,
- *            the head's dt_bias) and records its header (issue_chunk)
+ *   loads    thread 0 plans chunk n + 2 (plan_chunk); once that is visible,
+ *            WG1 starts its copies (issue_copies) while WG0 runs the wgmma below
  *   gates    G_t = sum_{s<=t} lower_bound * sigmoid(e^A_log (g_sd + dt_bias_d)),
  *            within the thread's quarter, in log2 units, in registers
  *   tiles    kd = k e^(G-c), qd = q e^(G-c), ki = k e^(c-G), qi = q e^(c-G),
@@ -59,93 +59,92 @@ __device__ __forceinline__ int per_chunk(int tid)
 __device__ __forceinline__ void producer_sync() { named_barrier_sync(BAR_PRODUCERS, PRODUCER_THREADS); }
 
 /*
- * Warp 0: takes the cursor's next chunk (a new work item when the current
- * one is done), records its header and layer weights in `raw`, and starts
- * its bulk copies, counted on `loaded`: one per token row of q, k, g and v
- * (256 bytes each; the rows of one head are H * 256 bytes apart) and one for
- * the head's dt_bias.  With no work left the header says CHUNK_END.  Returns
- * the raw bf16 beta logit of token `lane`, stored one chunk later
- * (store_beta) so its load latency is hidden.
+ * Thread 0: takes the cursor's next chunk (a new work item when the current
+ * one is done) and records in `raw` its header, layer scalars and where its
+ * rows start; with no work left the header says CHUNK_END.  The copies are
+ * started by WG1 (issue_copies) once this is visible.
  */
-__device__ __forceinline__ uint32_t issue_chunk(ProducerScratch &scr, const kda_fwd_params &p, uint32_t nitems,
-                                                RawStage &raw, uint64_t *loaded, int lane)
+__device__ __forceinline__ void plan_chunk(ProducerScratch &scr, const kda_fwd_params &p, uint32_t nitems,
+                                           RawStage &raw)
 {
-    constexpr uint32_t ROW_BYTES = D * 2;
     LoadCursor &cur = scr.cursor;
-    if (lane == 0) {
-        if (cur.seq >= 0 && cur.t0 > 0 && cur.t0 >= cur.len) {   /* the item is done: take the next */
-            int32_t seq, head;
-            if (sched_fetch(p, nitems, seq, head)) {
-                const kda_seq &s = p.seqs[seq];
-                cur.q = s.q;
-                cur.k = s.k;
-                cur.v = s.v;
-                cur.g = s.g;
-                cur.beta = s.beta;
-                cur.len = s.len;
-                cur.seq = seq;
-                cur.head = head;
-                cur.t0 = 0;
-                if (const kda_layer *layer = s.layer) {
-                    cur.dt_bias = layer->dt_bias + head * D;
-                    cur.exp_a = expf(layer->A_log[head]);
-                    cur.lb2 = layer->lower_bound * LOG2E;
-                    cur.scale = layer->scale;
-                } else {   /* a zero-length item (KDA_SEQ_ZERO_STATE only): nothing to compute */
-                    cur.dt_bias = nullptr;
-                    cur.exp_a = cur.lb2 = cur.scale = 0.0f;
-                }
-            } else {
-                cur.seq = -1;
+    if (cur.seq >= 0 && cur.t0 > 0 && cur.t0 >= cur.len) {   /* the item is done: take the next */
+        int32_t seq, head;
+        if (sched_fetch(p, nitems, seq, head)) {
+            const kda_seq &s = p.seqs[seq];
+            cur.q = s.q;
+            cur.k = s.k;
+            cur.v = s.v;
+            cur.g = s.g;
+            cur.beta = s.beta;
+            cur.len = s.len;
+            cur.seq = seq;
+            cur.head = head;
+            cur.t0 = 0;
+            if (const kda_layer *layer = s.layer) {
+                cur.dt_bias = layer->dt_bias + head * D;
+                cur.exp_a = expf(layer->A_log[head]);
+                cur.lb2 = layer->lower_bound * LOG2E;
+                cur.scale = layer->scale;
+            } else {   /* a zero-length item (KDA_SEQ_ZERO_STATE only): nothing to compute */
+                cur.dt_bias = nullptr;
+                cur.exp_a = cur.lb2 = cur.scale = 0.0f;
             }
-        }
-        ChunkHeader h{-1, -1, 0, 0, CHUNK_END};
-        uint32_t bytes = 0;
-        if (cur.seq >= 0) {
-            const int64_t left = cur.len - cur.t0;
-            h = ChunkHeader{cur.seq, cur.head, cur.t0, int32_t(left < C ? left : C),
-                            (cur.t0 == 0 ? CHUNK_FIRST : 0u) | (left <= C ? CHUNK_LAST : 0u)};
-            bytes = uint32_t(h.ntok) * 4 * ROW_BYTES;
-            if (h.ntok > 0 && (reinterpret_cast<uintptr_t>(cur.dt_bias) & 15) == 0)
-                bytes += D * sizeof(float);
-        }
-        raw.info.hdr = h;
-        raw.info.exp_a = cur.exp_a;
-        raw.info.lb2 = cur.lb2;
-        raw.info.scale = cur.scale;
-        fence_proxy_async();                       /* earlier generic accesses of this stage come first */
-        mbar_arrive_expect_tx(loaded, bytes);
-    }
-    __syncwarp();
-    const ChunkHeader h = raw.info.hdr;
-    uint32_t beta = 0;
-    if (h.ntok > 0) {
-        const int64_t stride = int64_t(p.heads) * D;   /* elements between tokens */
-        if (lane < h.ntok) {
-            fence_proxy_async();
-            const int64_t off = (h.t0 + lane) * stride + int64_t(h.head) * D;
-            bulk_copy_g2s(raw.q + lane * D, cur.q + off, ROW_BYTES, loaded);
-            bulk_copy_g2s(raw.k + lane * D, cur.k + off, ROW_BYTES, loaded);
-            bulk_copy_g2s(raw.g + lane * D, cur.g + off, ROW_BYTES, loaded);
-            bulk_copy_g2s(raw.v + lane * D, cur.v + off, ROW_BYTES, loaded);
-            beta = cur.beta[(h.t0 + lane) * int64_t(p.heads) + h.head];
-        }
-        const float *dt_bias = cur.dt_bias;
-        if ((reinterpret_cast<uintptr_t>(dt_bias) & 15) == 0) {
-            if (lane == 0)
-                bulk_copy_g2s(raw.info.dt_bias, dt_bias, D * sizeof(float), loaded);
-        } else {                                   /* unaligned weights: plain loads (not expected) */
-            for (int d = lane; d < D; d += 32)
-                raw.info.dt_bias[d] = dt_bias[d];
+        } else {
+            cur.seq = -1;
         }
     }
-    __syncwarp();
-    if (lane == 0 && cur.seq >= 0)
-        cur.t0 += C;
-    return beta;
+    ChunkInfo &info = raw.info;
+    if (cur.seq < 0) {
+        info.hdr = ChunkHeader{-1, -1, 0, 0, CHUNK_END};
+        return;
+    }
+    const int64_t left = cur.len - cur.t0, first = (cur.t0 * int64_t(p.heads) + cur.head) * D;
+    info.hdr = ChunkHeader{cur.seq, cur.head, cur.t0, int32_t(left < C ? left : C),
+                           (cur.t0 == 0 ? CHUNK_FIRST : 0u) | (left <= C ? CHUNK_LAST : 0u)};
+    info.exp_a = cur.exp_a;
+    info.lb2 = cur.lb2;
+    info.scale = cur.scale;
+    info.src[0] = cur.q + first;
+    info.src[1] = cur.k + first;
+    info.src[2] = cur.g + first;
+    info.src[3] = cur.v + first;
+    info.beta_src = cur.beta + cur.t0 * int64_t(p.heads) + cur.head;
+    info.dt_bias_src = cur.dt_bias;
+    cur.t0 += C;
 }
 
-/* Warp 0: sigmoid of the beta logits issue_chunk returned, into their stage (0 past the chunk's end). */
+/*
+ * One producer warpgroup: copy the planned chunk's q, k, g and v rows (16
+ * bytes per thread and copy, consecutive threads along a row; rows of one
+ * head are H * 256 bytes apart) and the head's dt_bias into `raw` with
+ * cp.async, each thread's copies counted on `loaded` by one arrival when they
+ * complete.  Rows past the chunk's end are not loaded (the preparation masks
+ * them).  Returns the raw bf16 beta logit of token `tid` (threads 0-31).
+ */
+__device__ __forceinline__ uint32_t issue_copies(RawStage &raw, uint64_t *loaded, const kda_fwd_params &p, int tid)
+{
+    tid = per_chunk(tid);
+    const ChunkInfo &info = raw.info;
+    const int ntok = info.hdr.ntok;
+    const int64_t stride = int64_t(p.heads) * D;   /* elements between tokens */
+    const int seg = tid % 16, row0 = tid / 16;     /* 16 threads per 256-byte row, 8 rows per pass */
+    uint16_t *const dst[4] = {raw.q, raw.k, raw.g, raw.v};
+#pragma unroll
+    for (int tensor = 0; tensor < 4; tensor++)
+#pragma unroll
+        for (int pass = 0; pass < C / 8; pass++) {
+            const int row = row0 + 8 * pass;
+            if (row < ntok)
+                cp_async_16(dst[tensor] + row * D + seg * 8, info.src[tensor] + row * stride + seg * 8);
+        }
+    if (ntok > 0)
+        cp_async_4(&raw.info.dt_bias[tid], info.dt_bias_src + tid);
+    cp_async_mbar_arrive(loaded);
+    return tid < ntok ? info.beta_src[tid * int64_t(p.heads)] : 0u;
+}
+
+/* WG1's first warp: sigmoid of the beta logits issue_copies returned, into their stage (0 past the chunk's end). */
 __device__ __forceinline__ void store_beta(RawStage &raw, uint32_t beta, int lane)
 {
     raw.info.beta[lane] = lane < raw.info.hdr.ntok ? sigmoid(bf16_lo(beta)) : 0.0f;
@@ -402,34 +401,37 @@ __device__ __forceinline__ void prepare_inverse(PrepStage &st, ProducerScratch &
 __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_params &p, int ptid)
 {
     const uint32_t nitems = uint32_t(*p.nseqs) * uint32_t(p.heads);
-    const int warp = ptid >> 5, lane = ptid & 31, wg = ptid / WG_THREADS, tid = ptid % WG_THREADS;
+    const int wg = ptid / WG_THREADS, tid = ptid % WG_THREADS;
     PROF_START(ptid == 0);
 
-    /* Warp 0 keeps the loads two chunks ahead; beta holds the logits of the chunk issued last. */
-    uint32_t beta = 0;
-    if (warp == 0) {
-        if (lane == 0) {                           /* an empty cursor: the first issue fetches an item */
-            sm.scratch.cursor.seq = 0;
-            sm.scratch.cursor.t0 = 1;
-            sm.scratch.cursor.len = 0;
-        }
-        __syncwarp();
-        beta = issue_chunk(sm.scratch, p, nitems, sm.raw[0], &sm.loaded[0], lane);
-        store_beta(sm.raw[0], beta, lane);
-        beta = issue_chunk(sm.scratch, p, nitems, sm.raw[1], &sm.loaded[1], lane);
+    /* Loads run two chunks ahead; WG1's first warp holds the beta logits of chunks n and n + 1, stored
+       into their stage when the chunk is prepared, so their loads have 1.5 chunks to land. */
+    if (ptid == 0) {                               /* an empty cursor: the first plan fetches an item */
+        sm.scratch.cursor.seq = 0;
+        sm.scratch.cursor.t0 = 1;
+        sm.scratch.cursor.len = 0;
+    }
+    uint32_t beta[2] = {0u, 0u};
+#pragma unroll
+    for (int s = 0; s < 2; s++) {
+        if (ptid == 0)
+            plan_chunk(sm.scratch, p, nitems, sm.raw[s]);
+        producer_sync();
+        if (wg == 1)
+            beta[s] = issue_copies(sm.raw[s], &sm.loaded[s], p, tid);
     }
 
     for (uint32_t n = 0;; n++) {
-        RawStage &raw = sm.raw[n % RAW_STAGES];
+        RawStage &raw = sm.raw[n % RAW_STAGES], &ahead = sm.raw[(n + 2) % RAW_STAGES];
         PrepStage &st = sm.prep[n % PREP_STAGES];
         uint64_t *full = &sm.full[n % PREP_STAGES], *empty = &sm.empty[n % PREP_STAGES];
         const uint32_t empty_parity = ((n / PREP_STAGES) & 1) ^ 1;
 
-        if (warp == 0) {                           /* chunk n + 1's betas; chunk n + 2's loads */
-            store_beta(sm.raw[(n + 1) % RAW_STAGES], beta, lane);
-            beta = issue_chunk(sm.scratch, p, nitems, sm.raw[(n + 2) % RAW_STAGES],
-                               &sm.loaded[(n + 2) % RAW_STAGES], lane);
-        }
+        if (wg == 1 && tid < 32)                   /* chunk n's betas */
+            store_beta(raw, beta[0], tid);
+        beta[0] = beta[1];
+        if (ptid == 0)                             /* chunk n + 2's plan */
+            plan_chunk(sm.scratch, p, nitems, ahead);
         PROF_MARK(PROF_P_FETCH);
         mbar_wait(&sm.loaded[n % RAW_STAGES], (n / RAW_STAGES) & 1);   /* this chunk's rows have landed */
         PROF_MARK(PROF_P_LOADWAIT);
@@ -447,14 +449,15 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
 
         prepare_tiles(raw, st, sm.scratch, ptid);
         fence_proxy_async();                       /* kd, qd, ki, qi feed the wgmma below */
-        producer_sync();
+        producer_sync();                           /* (and chunk n + 2's plan is visible) */
         PROF_MARK(PROF_P_OPERANDS);
         if (wg == 0) {
             prepare_lmqk(raw, st, sm.scratch, tid);
-        } else {
+        } else {                                   /* meanwhile: the values, and chunk n + 2's loads */
             prepare_values(raw, st, tid);
             if (tid == 0)
                 st.hdr = hdr;
+            beta[1] = issue_copies(ahead, &sm.loaded[(n + 2) % RAW_STAGES], p, tid);
         }
         producer_sync();
         PROF_MARK(PROF_P_LMQK);

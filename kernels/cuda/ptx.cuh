@@ -1,6 +1,6 @@
 /*
  * ptx.cuh - thin wrappers over the sm_90a instructions the fused kernel uses:
- * mbarriers, bulk copies, named barriers, proxy fences, setmaxnreg, wgmma and
+ * mbarriers, cp.async, named barriers, proxy fences, setmaxnreg, wgmma and
  * its shared-memory descriptors, and a few fast-math primitives.
  *
  * Each wrapper is one instruction (or a predicate set-up plus one); the
@@ -67,24 +67,24 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
 #endif
 }
 
-/* Arrives once and adds `bytes` to the transactions the current phase waits for. */
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes)
+/* ---- cp.async (global -> shared, per thread) --------------------------- */
+
+/* 16 bytes, both addresses 16-byte aligned; cached in L2 only. */
+__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem)
 {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.release.cta.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
-                     smem_u32(bar)),
-                 "r"(bytes)
-                 : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }
 
-/* ---- bulk copy (copy engine, global -> shared, completes on an mbarrier) -- */
-
-/* bytes: a multiple of 16; both addresses 16-byte aligned. */
-__device__ __forceinline__ void bulk_copy_g2s(void *smem, const void *gmem, uint32_t bytes, uint64_t *bar)
+/* 4 bytes, both addresses 4-byte aligned. */
+__device__ __forceinline__ void cp_async_4(void *smem, const void *gmem)
 {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_u32(smem)),
-                 "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
+}
+
+/* One arrival on `bar` (counted in its init count) once this thread's cp.asyncs so far complete. */
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
 /* ---- barriers and fences ------------------------------------------------ */
@@ -119,6 +119,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(row)));
+}
+
+/* Four 8 x 8 bf16 matrices from mma fragments, stored transposed; lane L gives the address of
+   (stored) row L % 8 of matrix L / 8, and r[i] holds this thread's pair of matrix i. */
+__device__ __forceinline__ void stmatrix_x4_trans(void *row, const uint32_t (&r)[4])
+{
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_u32(row)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
 }
 
 /* ---- fast math ---------------------------------------------------------- */

@@ -3,7 +3,7 @@
  * swizzled operand layout, the pipeline stages and their barriers.
  *
  *   PrepStage x 2   chunk operands the producers prepare for the consumers
- *   RawStage  x 3   q, k, g, v of a chunk as loaded by the copy engine, with
+ *   RawStage  x 3   q, k, g, v of a chunk as loaded by cp.async, with
  *                   the chunk's header and layer weights
  *   ProducerScratch the producers' private working set
  *   full/empty      one mbarrier pair per PrepStage
@@ -44,6 +44,7 @@ static_assert(PRODUCER_REGS * PRODUCER_THREADS + CONSUMER_REGS * WG_THREADS * CO
 enum NamedBarrier : uint32_t {
     BAR_ALL = 0,        /* __syncthreads */
     BAR_PRODUCERS = 1,  /* the two producer warpgroups */
+    BAR_CONSUMER = 2,   /* + consumer index: one consumer warpgroup */
 };
 
 /*
@@ -107,7 +108,8 @@ struct alignas(1024) PrepStage {
     Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 kd = k e^(G-c), rows 32..63 qd = q e^(G-c) */
     Sw128Tile<D + C, 64> krm;    /* [160 x 64], cols 0..31: rows 0..127 Kr^T[d][j] = k_j e^(G_last-G_j), 128..159 Mqk[i][j] */
     Sw128Tile<C, 64> inv;        /* [32 x 64], cols 0..31: (I + L^)^-1 */
-    Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values, read by ldmatrix.trans; 0 past the end */
+    Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values, read by ldmatrix.trans; 0 past the end;
+                                    then the chunk's outputs on their way to global memory */
     float bn[C];                 /* b n: scales V in Uin; 0 past the chunk's last token */
     float bn2[C];                /* b n^2: scales P in Uin; 0 past the chunk's last token */
     float out_scale[C];          /* scale m: the output's factor */
@@ -116,14 +118,17 @@ struct alignas(1024) PrepStage {
     ChunkHeader hdr;
 };
 
-/* What the loading warp records with a chunk's bulk copies. */
+/* A chunk as planned by the producers' thread 0, and its loaded per-token and per-head values. */
 struct ChunkInfo {
     ChunkHeader hdr;
     float exp_a;                 /* e^A_log of the head */
     float lb2;                   /* lower_bound in log2 units */
     float scale;
+    const uint16_t *src[4];      /* q, k, g, v at the chunk's first token and this head */
+    const uint16_t *beta_src;    /* beta at the chunk's first token and this head */
+    const float *dt_bias_src;    /* the head's dt_bias row */
     float beta[C];               /* sigmoid(beta); 0 past the chunk's last token (stored one chunk later) */
-    alignas(16) float dt_bias[D];   /* the head's dt_bias (a bulk copy when 16-byte aligned) */
+    float dt_bias[D];            /* the head's dt_bias */
 };
 
 struct alignas(128) RawStage {
@@ -134,7 +139,7 @@ struct alignas(128) RawStage {
     ChunkInfo info;
 };
 
-/* The loading warp's position in the work: the chunk it issues next. */
+/* The producers' position in the work: the chunk they plan next. */
 struct LoadCursor {
     const uint16_t *q, *k, *v, *g, *beta;
     const float *dt_bias;        /* the head's row, or null (a zero-length item) */
@@ -159,7 +164,7 @@ struct SharedStorage {
     PrepStage prep[PREP_STAGES];
     RawStage raw[RAW_STAGES];
     ProducerScratch scratch;
-    uint64_t loaded[RAW_STAGES]; /* bulk copies -> producer: raw stage filled (1 arrival + bytes) */
+    uint64_t loaded[RAW_STAGES]; /* copies -> producers: raw stage filled (128 cp.async arrivals, WG1) */
     uint64_t full[PREP_STAGES];  /* producers -> consumers: stage prepared (256 arrivals) */
     uint64_t empty[PREP_STAGES]; /* consumers -> producer: stage consumed (256 arrivals) */
 };
