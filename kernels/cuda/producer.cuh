@@ -67,8 +67,9 @@ __device__ __forceinline__ void producer_sync() { named_barrier_sync(BAR_PRODUCE
 __device__ __forceinline__ void plan_chunk(ProducerScratch &scr, const kda_fwd_params &p, uint32_t nitems,
                                            RawStage &raw)
 {
-    LoadCursor &cur = scr.cursor;
-    if (cur.seq >= 0 && cur.t0 > 0 && cur.t0 >= cur.len) {   /* the item is done: take the next */
+    LoadCursor cur = scr.cursor;                   /* in registers: the stores below alias nothing it holds */
+    const bool next_item = cur.seq >= 0 && cur.t0 > 0 && cur.t0 >= cur.len;
+    if (next_item) {                               /* the item is done: take the next */
         int32_t seq, head;
         if (sched_fetch(p, nitems, seq, head)) {
             const kda_seq &s = p.seqs[seq];
@@ -97,6 +98,7 @@ __device__ __forceinline__ void plan_chunk(ProducerScratch &scr, const kda_fwd_p
     ChunkInfo &info = raw.info;
     if (cur.seq < 0) {
         info.hdr = ChunkHeader{-1, -1, 0, 0, CHUNK_END};
+        scr.cursor.seq = -1;
         return;
     }
     const int64_t left = cur.len - cur.t0, first = (cur.t0 * int64_t(p.heads) + cur.head) * D;
@@ -112,6 +114,10 @@ __device__ __forceinline__ void plan_chunk(ProducerScratch &scr, const kda_fwd_p
     info.beta_src = cur.beta + cur.t0 * int64_t(p.heads) + cur.head;
     info.dt_bias_src = cur.dt_bias;
     cur.t0 += C;
+    if (next_item)
+        scr.cursor = cur;
+    else
+        scr.cursor.t0 = cur.t0;
 }
 
 /*
