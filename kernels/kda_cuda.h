@@ -9,6 +9,11 @@
  *
  * Everything the kernel reads is device memory: the kda_seq table, the
  * tensors it points to, the kda_layer structs and their weights, the pool.
+ *
+ * Range: the kernel scales raw (not yet normalised) q and k by decay factors
+ * of up to e^80 before rounding them to bf16 (docs/kernel.md, Accuracy), so
+ * q and k elements must stay below ~6e3 in magnitude; beyond that the
+ * results overflow where the CPU backend's would not.
  */
 #ifndef KDA_CUDA_H
 #define KDA_CUDA_H
