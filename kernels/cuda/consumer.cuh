@@ -174,7 +174,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++)
-            wgmma_m64n32k16_rs(u, a3[ks], sw128_desc(st.inv.kslice(ks)), ks > 0);
+            wgmma_m64n32k16_rs(u, a3[ks], sw64_desc(st.inv.kslice(ks)), ks > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(u);
@@ -200,7 +200,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++)
-            wgmma_m64n160k16_rs(acc, a4[ks], sw128_desc(st.krm.kslice(ks)), 1);
+            wgmma_m64n160k16_rs(acc, a4[ks], sw64_desc(st.krm.kslice(ks)), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(acc);

@@ -187,6 +187,14 @@ __device__ __forceinline__ uint64_t sw128_desc(const void *tile)
     return start | (lbo << 16) | (sbo << 32) | (swizzle_128b << 62);
 }
 
+/* The same for the 64-byte swizzle: rows of 32 bf16 (64 bytes), 8-row atoms of 512 bytes. */
+__device__ __forceinline__ uint64_t sw64_desc(const void *tile)
+{
+    const uint64_t start = (smem_u32(tile) & 0x3FFFF) >> 4;
+    const uint64_t lbo = 1, sbo = 512 >> 4, swizzle_64b = 2;
+    return start | (lbo << 16) | (sbo << 32) | (swizzle_64b << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 

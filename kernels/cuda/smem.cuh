@@ -1,6 +1,6 @@
 /*
- * smem.cuh - the fused kernel's shared memory: tile shapes, the 128-byte
- * swizzled operand layout, the pipeline stages and their barriers.
+ * smem.cuh - the fused kernel's shared memory: tile shapes, the 128- and
+ * 64-byte swizzled operand layouts, the pipeline stages and their barriers.
  *
  *   PrepStage x 2   chunk operands the producers prepare for the consumers
  *   RawStage  x 3   q, k, g, v of a chunk as loaded by cp.async, with
@@ -81,6 +81,35 @@ struct alignas(1024) Sw128Tile {
     }
 };
 
+/*
+ * K-major bf16 operand tile of ROWS x 32 in the 64-byte swizzle layout, for
+ * the K = 32 operands (INV, [Kr | Mqk^T]): one 64-byte row per row, 8-row
+ * atoms of 512 bytes; within a row, 16-byte chunk c sits at chunk
+ * c ^ ((row / 2) % 4).  Half the bytes of a 64-column SW128 tile.
+ */
+template <int ROWS>
+struct alignas(512) Sw64Tile {
+    static_assert(ROWS % 8 == 0, "SW64 tiles are whole 8-row atoms");
+    static constexpr int COLS = 32;
+    uint16_t data[ROWS * COLS];
+
+    __host__ __device__ __forceinline__ static uint32_t offset(int row, int col)
+    {
+        const uint32_t byte = uint32_t(col) * 2;    /* byte within the 64-byte row */
+        const uint32_t swizzled = (byte & 0x0f) | ((byte & 0x30) ^ (((uint32_t(row) >> 1) & 3) << 4));
+        return uint32_t(row) * 64 + swizzled;
+    }
+    __device__ __forceinline__ uint16_t *at(int row, int col)
+    {
+        return reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(data) + offset(row, col));
+    }
+    /* Start of the 16-column K slice `ks` (0 or 1): what a descriptor points at. */
+    __device__ __forceinline__ const void *kslice(int ks) const
+    {
+        return reinterpret_cast<const char *>(data) + ks * 32;
+    }
+};
+
 /* What the producer tells the consumers about a chunk. */
 struct ChunkHeader {
     int32_t seq;        /* index into the descriptor table */
@@ -106,8 +135,8 @@ enum : uint32_t {
  */
 struct alignas(1024) PrepStage {
     Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 kd = k e^(G-c), rows 32..63 qd = q e^(G-c) */
-    Sw128Tile<D + C, 64> krm;    /* [160 x 64], cols 0..31: rows 0..127 Kr^T[d][j] = k_j e^(G_last-G_j), 128..159 Mqk[i][j] */
-    Sw128Tile<C, 64> inv;        /* [32 x 64], cols 0..31: (I + L^)^-1 */
+    Sw64Tile<D + C> krm;         /* [160 x 32]: rows 0..127 Kr^T[d][j] = k_j e^(G_last-G_j), 128..159 Mqk[i][j] */
+    Sw64Tile<C> inv;             /* [32 x 32]: (I + L^)^-1 */
     Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values, read by ldmatrix.trans; 0 past the end;
                                     then the chunk's outputs on their way to global memory */
     float bn[C];                 /* b n: scales V in Uin; 0 past the chunk's last token */

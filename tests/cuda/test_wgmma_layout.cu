@@ -4,13 +4,14 @@
  * fragment helpers (smem.cuh, ptx.cuh, consumer.cuh):
  *
  *   rs_n64   D[64x64]   = A[64x128] (registers) . B (Sw128Tile<64,128>)   consumer step 1
- *   rs_n32   D[64x32]   = A[64x32]  (registers) . B (Sw128Tile<32,64>)    consumer step 3
- *   rs_n160  D[64x160] += A[64x32]  (registers) . B (Sw128Tile<160,64>)   consumer step 4
+ *   rs_n32   D[64x32]   = A[64x32]  (registers) . B (Sw64Tile<32>)        consumer step 3
+ *   rs_n160  D[64x160] += A[64x32]  (registers) . B (Sw64Tile<160>)       consumer step 4
  *   ss_n64   D[64x64]   = A (Sw128Tile<64,128>) . B (Sw128Tile<64,128>)   producer L, Mqk, norms
  *
  * against a float64 product of the same bf16 values; and the swizzled
- * addressing (Sw128Tile::offset) as the kernel's loops compute it, against a
- * plain formula (nvcc 13.0 once miscompiled it for constant odd columns).
+ * addressing (Sw128Tile::offset, Sw64Tile::offset) as the kernel's loops
+ * compute it, against a plain formula (nvcc 13.0 once miscompiled the SW128
+ * one for constant odd columns).
  * Exits 77 without a GPU.
  */
 #include <cuda_runtime.h>
@@ -42,8 +43,9 @@ __device__ __forceinline__ void acc_pos(int tid, int i, int &row, int &col)
     col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
 }
 
-template <int ROWS, int COLS>
-__device__ void fill_tile(Sw128Tile<ROWS, COLS> &t, const uint16_t *src, int rows, int cols)
+/* Tile <- src[rows][cols] (row-major), zero-padded to the tile's ROWS x COLS. */
+template <typename Tile>
+__device__ void fill_tile(Tile &t, const uint16_t *src, int rows, int cols, int ROWS, int COLS)
 {
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += blockDim.x) {
         const int r = idx / COLS, c = idx % COLS;
@@ -51,11 +53,23 @@ __device__ void fill_tile(Sw128Tile<ROWS, COLS> &t, const uint16_t *src, int row
     }
 }
 
+template <int ROWS>
+__device__ void fill_tile(Sw64Tile<ROWS> &t, const uint16_t *src, int rows, int cols)
+{
+    fill_tile(t, src, rows, cols, ROWS, Sw64Tile<ROWS>::COLS);
+}
+
+template <int ROWS, int COLS>
+__device__ void fill_tile(Sw128Tile<ROWS, COLS> &t, const uint16_t *src, int rows, int cols)
+{
+    fill_tile(t, src, rows, cols, ROWS, COLS);
+}
+
 struct alignas(1024) LayoutSmem {
     Sw128Tile<64, 128> a;      /* ss_n64 A, rs_n64 B */
-    Sw128Tile<160, 64> b160;
+    Sw64Tile<160> b160;
     Sw128Tile<64, 128> b64k;
-    Sw128Tile<32, 64> b32;
+    Sw64Tile<32> b32;
 };
 
 /* which: 0 rs_n64, 1 rs_n32, 2 rs_n160, 3 ss_n64.  A: [64 x K] row-major, B: [N x K] (B^T) row-major. */
@@ -114,7 +128,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
             fence_operands(d);
             wgmma_fence();
             for (int ks = 0; ks < 2; ks++)
-                wgmma_m64n32k16_rs(d, a[ks], sw128_desc(sm.b32.kslice(ks)), ks > 0);
+                wgmma_m64n32k16_rs(d, a[ks], sw64_desc(sm.b32.kslice(ks)), ks > 0);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(d);
@@ -131,7 +145,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
             fence_operands(d);
             wgmma_fence();
             for (int ks = 0; ks < 2; ks++)
-                wgmma_m64n160k16_rs(d, a[ks], sw128_desc(sm.b160.kslice(ks)), 1);
+                wgmma_m64n160k16_rs(d, a[ks], sw64_desc(sm.b160.kslice(ks)), 1);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(d);
@@ -172,13 +186,18 @@ __global__ void offsets_kernel(uint32_t *out)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int i = row + (e >= 2 ? 8 : 0), j = 8 * nt + 2 * t4 + (e & 1);
-            out[tid * 16 + nt * 4 + e] = Sw128Tile<160, 64>::offset(128 + i, j);
+            out[tid * 16 + nt * 4 + e] = Sw64Tile<160>::offset(128 + i, j);
         }
 #pragma unroll 1
     for (int t8 = 0; t8 < 32; t8 += 8)
 #pragma unroll
         for (int e = 0; e < 8; e++)
             out[2048 + (t8 + e) * 128 + tid] = Sw128Tile<64, 128>::offset(32 + t8 + e, tid);
+}
+
+static uint32_t reference_offset64(int row, int col)
+{
+    return uint32_t(row * 64 + (((col * 2) / 16) ^ ((row / 2) % 4)) * 16 + (col * 2) % 16);
 }
 
 static uint32_t reference_offset(int rows, int row, int col)
@@ -200,7 +219,7 @@ static int check_offsets()
         for (int nt = 0; nt < 4; nt++)
             for (int e = 0; e < 4; e++) {
                 const int i = row + (e >= 2 ? 8 : 0), j = 8 * nt + 2 * t4 + (e & 1);
-                bad += h[tid * 16 + nt * 4 + e] != reference_offset(160, 128 + i, j);
+                bad += h[tid * 16 + nt * 4 + e] != reference_offset64(128 + i, j);
             }
         for (int t = 0; t < 32; t++)
             bad += h[2048 + t * 128 + tid] != reference_offset(64, 32 + t, tid);
