@@ -308,7 +308,7 @@ int main()
         return 77;
     }
     struct { const char *name; int which, N, K; } cases[] = {
-        {"rs_n64  (step 1: S . [kdc|qdc]^T)", 0, 64, 128},
+        {"rs_n64  (step 1: S . [kd|qd]^T)", 0, 64, 128},
         {"rs_n32  (step 3: Uin^T . INV^T)", 1, 32, 32},
         {"rs_n160 (step 4: [S|O] += U^T . [Kr|Mqk^T])", 2, 160, 32},
         {"ss_n64  (producer: [kd;qd] . [ki;qi]^T)", 3, 64, 128},
