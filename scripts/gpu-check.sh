@@ -4,9 +4,11 @@
 # machine and carried in .device/ (see scripts/gpu-bundle.sh).  Full logs go
 # to $OUT; a short summary is printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [profile] [daemon] [e2e]
-#   (default: all).  The daemon suites find kdad under the build directory they
-#   were compiled for, so `daemon` recreates that path.
+#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [profile] [daemon] [e2e] [ab]
+#   (default: all but ab).  The daemon suites find kdad under the build directory they
+#   were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
+#   and every .device/bin/bench_kernel_* (scripts/kernel-variant.sh) twice,
+#   interleaved, on the six standard workloads.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kdad-gpu}
@@ -38,6 +40,15 @@ for step in $steps; do
               done
               (exit $rc) ;;
     e2e)      OUT=$out timeout 500 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
+    ab)       rc=0
+              for round in 1 2; do
+                for b in $bin/bench_kernel $bin/bench_kernel_*; do
+                  [ -x "$b" ] && [ "$b" != $bin/bench_kernel_profile ] || continue
+                  echo "== $(basename "$b") (round $round)" >> "$out/ab.log"
+                  timeout 120 "$b" >> "$out/ab.log" 2>&1 || rc=1
+                done
+              done
+              (exit $rc) ;;
     *)        echo "unknown step $step"; continue ;;
   esac
   status[$step]=$?
@@ -53,6 +64,7 @@ for step in $steps; do
     profile)  grep '^profile' "$out/profile.log" | sed 's/cycles per chunk://' ;;
     daemon)   grep -E 'PASSED|FAILED|SKIP|tests? run' "$out/daemon.log" | tail -12 ;;
     e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
+    ab)       grep -E '^== |^H(96|64) (fixed 8192|mixed|uniform 8x1024) ' "$out/ab.log" | cut -c1-62 ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done

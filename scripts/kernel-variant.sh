@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds the kernel benchmark of another version of the tree, for a same-call
+# A/B on the GPU host (H200 hosts differ by up to 1.5x between device calls,
+# so only binaries run in one call compare):
+#
+#   scripts/kernel-variant.sh NAME [REF [PATCH]]
+#
+# checks out REF (default HEAD) in a temporary worktree, applies PATCH (a
+# `git diff` file) if given, builds bench_kernel with the same configuration
+# as scripts/gpu-bundle.sh and copies it to .device/bin/bench_kernel_NAME.
+# `scripts/gpu-check.sh ab` then runs bench_kernel and every variant, twice,
+# interleaved.  Example: the working tree against the last commit:
+#   git diff > /tmp/wip.patch && scripts/kernel-variant.sh head HEAD
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:?usage: kernel-variant.sh NAME [REF [PATCH]]}
+ref=${2:-HEAD}
+patch=${3:-}
+[[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "kernel-variant.sh: NAME must be letters, digits, _ or -" >&2; exit 2; }
+[ -z "$patch" ] || patch=$(realpath "$patch")
+tree=$(mktemp -d /tmp/kdad-variant-XXXXXX)
+trap 'git worktree remove --force "$tree" >/dev/null 2>&1 || true; rm -rf "$tree"' EXIT
+git worktree add -q --detach "$tree" "$ref"
+[ -z "$patch" ] || git -C "$tree" apply "$patch"
+cmake -S "$tree" -B "$tree/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$tree/build" -j"$(nproc)" --target bench_kernel >/dev/null
+mkdir -p .device/bin
+cp "$tree/build/bench/bench_kernel" ".device/bin/bench_kernel_$name"
+echo ".device/bin/bench_kernel_$name ($(git rev-parse --short "$ref")${patch:+ + $(basename "$patch")})"
