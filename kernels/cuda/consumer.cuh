@@ -1,5 +1,5 @@
 /*
- * consumer.cuh - warpgroups 1 and 2: the serial chain of one (sequence, head).
+ * consumer.cuh - warpgroups 2 and 3: the serial chain of one (sequence, head).
  *
  * Each consumer warpgroup owns 64 of the state's 128 V rows as an fp32 wgmma
  * accumulator, resident in registers for the whole sequence.  In the layout

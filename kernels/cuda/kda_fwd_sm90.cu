@@ -33,18 +33,20 @@ __global__ void __launch_bounds__(THREADS, 1) kda_fwd_kernel(const __grid_consta
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < PREP_STAGES; s++) {
-            mbar_init(&sm.full[s], PRODUCER_THREADS);
+            mbar_init(&sm.full[s], 2 * WG_THREADS);   /* a warpgroup's arrivals and its value copies' */
             mbar_init(&sm.empty[s], WG_THREADS * CONSUMER_WGS);
         }
-        for (int s = 0; s < RAW_STAGES; s++)
-            mbar_init(&sm.loaded[s], WG_THREADS);
+        for (int w = 0; w < PRODUCER_WGS; w++) {
+            mbar_init(&sm.loaded[w], WG_THREADS);
+            mbar_init(&sm.plan_turn[w], 1);
+        }
     }
     __syncthreads();
 
     const int wg = threadIdx.x / WG_THREADS;
     if (wg < PRODUCER_WGS) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        producer_main(sm, p, threadIdx.x);
+        producer_main(sm, p, wg, threadIdx.x % WG_THREADS);
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
         consumer_main(sm, p, wg - PRODUCER_WGS, threadIdx.x % WG_THREADS);

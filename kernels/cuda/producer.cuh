@@ -1,29 +1,34 @@
 /*
- * producer.cuh - warpgroups 0 and 1: load chunks and prepare, together,
- * everything of a chunk that does not depend on the state, one chunk ahead
- * of the consumers.
+ * producer.cuh - warpgroups 0 and 1: each loads and prepares, on its own,
+ * every other chunk: everything of a chunk that does not depend on the state.
  *
- * Per chunk of C = 32 tokens of one (sequence, head), with c the gate prefix
+ * Warpgroup w prepares chunks w, w + 2, w + 4, ... of the CTA's sequence of
+ * chunks, each into prepared stage n % 3.  The two run about a chunk apart,
+ * so the latency of one's phases hides behind the other's work; they share
+ * only the load cursor, which their thread 0s advance in turns.
+ *
+ * Per chunk n (C = 32 tokens of one (sequence, head)), with c the gate prefix
  * sum at the chunk's middle token (per key dim) so every exponent below stays
- * within e^+-80 (KDA.md, "Range").  Producer thread p (0..255) owns key-dim
- * pair p % 64 over quarter chunk p / 64 (8 tokens):
+ * within e^+-80 (KDA.md, "Range").  Thread p (0..127) of the warpgroup owns
+ * key-dim pair p % 64 over half chunk p / 64 (16 tokens):
  *
- *   loads    thread 0 plans chunk n + 2 (plan_chunk); once that is visible,
- *            WG1 starts its copies (issue_copies) while WG0 runs the wgmma below
+ *   plan     thread 0, in its turn, plans the warpgroup's next chunk (n + 2)
+ *   values   once the consumers free the stage: the chunk's values by cp.async
+ *            straight into the stage's value tile
  *   gates    G_t = sum_{s<=t} lower_bound * sigmoid(e^A_log (g_sd + dt_bias_d)),
- *            within the thread's quarter, in log2 units, in registers
+ *            within the thread's half, in log2 units, in registers
  *   tiles    kd = k e^(G-c), qd = q e^(G-c), ki = k e^(c-G), qi = q e^(c-G),
  *            Kr^T[d][t] = k e^(G_last - G_t), e^G_last, e^c  (raw q, k: no norms yet)
- *   L, Mqk   WG0: [kd; qd] . [ki; qi]^T by wgmma (64 x 64 x 128).  Its diagonal
+ *   L, Mqk   [kd; qd] . [ki; qi]^T by wgmma (64 x 64 x 128).  Its diagonal
  *            is |k_t|^2 and |q_t|^2 (the gates cancel), which gives the norms;
  *            L^ = diag(b n^2) strictly_lower(kd ki^T), Mqk = lower_incl(qd ki^T).
- *            WG1 meanwhile copies the values into the consumers' tile.
+ *            While it runs, the raw rows of chunk n + 2 are requested.
  *   inverse  (I + L^)^-1 in fp32: 8 x 8 diagonal blocks by forward
  *            substitution, merged to 16 x 16 and 32 x 32
  *
  * smem.cuh (PrepStage) gives the algebra that lets the norms come last.
  * Centring on the middle token splits the chunk cleanly: G_t - c is the
- * thread's own prefix sum plus a sum of whole quarter totals.
+ * prefix sum within the second half, or minus the rest of the first half.
  */
 #pragma once
 
@@ -37,7 +42,7 @@
 namespace kda {
 
 constexpr float LOG2E = 1.4426950408889634f;
-constexpr int QUARTER = C / 4;       /* tokens per producer thread */
+constexpr int HALF = C / 2;          /* tokens per producer thread */
 constexpr int PAIRS = D / 2;         /* key-dim pairs */
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -56,18 +61,21 @@ __device__ __forceinline__ int per_chunk(int tid)
     return tid;
 }
 
-__device__ __forceinline__ void producer_sync() { named_barrier_sync(BAR_PRODUCERS, PRODUCER_THREADS); }
+/* One producer warpgroup's barrier. */
+struct ProducerSync {
+    uint32_t id;
+    __device__ __forceinline__ void operator()() const { named_barrier_sync(id, WG_THREADS); }
+};
 
 /*
- * Thread 0: takes the cursor's next chunk (a new work item when the current
- * one is done) and records in `raw` its header, layer scalars and where its
- * rows start; with no work left the header says CHUNK_END.  The copies are
- * started by WG1 (issue_copies) once this is visible.
+ * Takes the cursor's next chunk (a new work item when the current one is
+ * done) and records in `info` its header, layer scalars and where its rows
+ * start; with no work left the header says CHUNK_END (and stays so).
  */
-__device__ __forceinline__ void plan_chunk(ProducerScratch &scr, const kda_fwd_params &p, uint32_t nitems,
-                                           RawStage &raw)
+__device__ __forceinline__ void plan_chunk(LoadCursor &cursor, const kda_fwd_params &p, uint32_t nitems,
+                                           ChunkInfo &info)
 {
-    LoadCursor cur = scr.cursor;                   /* in registers: the stores below alias nothing it holds */
+    LoadCursor cur = cursor;                       /* in registers: the stores below alias nothing it holds */
     const bool next_item = cur.seq >= 0 && cur.t0 > 0 && cur.t0 >= cur.len;
     if (next_item) {                               /* the item is done: take the next */
         int32_t seq, head;
@@ -95,10 +103,9 @@ __device__ __forceinline__ void plan_chunk(ProducerScratch &scr, const kda_fwd_p
             cur.seq = -1;
         }
     }
-    ChunkInfo &info = raw.info;
     if (cur.seq < 0) {
         info.hdr = ChunkHeader{-1, -1, 0, 0, CHUNK_END};
-        scr.cursor.seq = -1;
+        cursor.seq = -1;
         return;
     }
     const int64_t left = cur.len - cur.t0, first = (cur.t0 * int64_t(p.heads) + cur.head) * D;
@@ -115,29 +122,44 @@ __device__ __forceinline__ void plan_chunk(ProducerScratch &scr, const kda_fwd_p
     info.dt_bias_src = cur.dt_bias;
     cur.t0 += C;
     if (next_item)
-        scr.cursor = cur;
+        cursor = cur;
     else
-        scr.cursor.t0 = cur.t0;
+        cursor.t0 = cur.t0;
 }
 
 /*
- * One producer warpgroup: copy the planned chunk's q, k, g and v rows (16
- * bytes per thread and copy, consecutive threads along a row; rows of one
- * head are H * 256 bytes apart) and the head's dt_bias into `raw` with
- * cp.async, each thread's copies counted on `loaded` by one arrival when they
- * complete.  Rows past the chunk's end are not loaded (the preparation masks
- * them).  Returns the raw bf16 beta logit of token `tid` (threads 0-31).
+ * Thread 0 of warpgroup `wg`: its plan number j (0 = its first chunk), once
+ * the other warpgroup has planned the chunk before; then hands the turn over.
+ * Warpgroup 0's first plan goes first.
  */
-__device__ __forceinline__ uint32_t issue_copies(RawStage &raw, uint64_t *loaded, const kda_fwd_params &p, int tid)
+__device__ __forceinline__ void plan_in_turn(SharedStorage &sm, const kda_fwd_params &p, uint32_t nitems,
+                                             int wg, uint32_t j, ChunkInfo &info)
+{
+    const int32_t turns_before = int32_t(j) - 1 + wg;   /* the other's plans this one follows, less one */
+    if (turns_before >= 0)
+        mbar_wait(&sm.plan_turn[wg], uint32_t(turns_before) & 1);
+    plan_chunk(sm.cursor, p, nitems, info);
+    mbar_arrive(&sm.plan_turn[wg ^ 1]);
+}
+
+/*
+ * The planned chunk's q, k and g rows into the warpgroup's raw rows, and the
+ * head's dt_bias into `info`, with cp.async (16 bytes per thread and copy,
+ * consecutive threads along a row; rows of one head are H * 256 bytes apart),
+ * each thread's copies counted on `loaded` by one arrival when they complete.
+ * Rows past the chunk's end are not loaded (the preparation masks them).
+ * Returns the raw bf16 beta logit of token `tid` (threads 0-31).
+ */
+__device__ __forceinline__ uint32_t issue_row_copies(ProducerArea &area, ChunkInfo &info, uint64_t *loaded,
+                                                     const kda_fwd_params &p, int tid)
 {
     tid = per_chunk(tid);
-    const ChunkInfo &info = raw.info;
     const int ntok = info.hdr.ntok;
     const int64_t stride = int64_t(p.heads) * D;   /* elements between tokens */
     const int seg = tid % 16, row0 = tid / 16;     /* 16 threads per 256-byte row, 8 rows per pass */
-    uint16_t *const dst[4] = {raw.q, raw.k, raw.g, raw.v};
+    uint16_t *const dst[3] = {area.q, area.k, area.g};
 #pragma unroll
-    for (int tensor = 0; tensor < 4; tensor++)
+    for (int tensor = 0; tensor < 3; tensor++)
 #pragma unroll
         for (int pass = 0; pass < C / 8; pass++) {
             const int row = row0 + 8 * pass;
@@ -145,132 +167,153 @@ __device__ __forceinline__ uint32_t issue_copies(RawStage &raw, uint64_t *loaded
                 cp_async_16(dst[tensor] + row * D + seg * 8, info.src[tensor] + row * stride + seg * 8);
         }
     if (ntok > 0)
-        cp_async_4(&raw.info.dt_bias[tid], info.dt_bias_src + tid);
+        cp_async_4(&info.dt_bias[tid], info.dt_bias_src + tid);
     cp_async_mbar_arrive(loaded);
     return tid < ntok ? info.beta_src[tid * int64_t(p.heads)] : 0u;
 }
 
-/* WG1's first warp: sigmoid of the beta logits issue_copies returned, into their stage (0 past the chunk's end). */
-__device__ __forceinline__ void store_beta(RawStage &raw, uint32_t beta, int lane)
+/*
+ * The chunk's values straight into the stage's swizzled value tile (read by
+ * the consumers' ldmatrix.trans one step later), counted on `full` by one
+ * cp.async arrival per thread; rows past the chunk's end become zeros.
+ */
+__device__ __forceinline__ void issue_value_copies(PrepStage &st, const ChunkInfo &info, uint64_t *full,
+                                                   const kda_fwd_params &p, int tid)
 {
-    raw.info.beta[lane] = lane < raw.info.hdr.ntok ? sigmoid(bf16_lo(beta)) : 0.0f;
+    tid = per_chunk(tid);
+    const int ntok = info.hdr.ntok;
+    const int64_t stride = int64_t(p.heads) * D;
+#pragma unroll
+    for (int pass = 0; pass < C * D / 8 / WG_THREADS; pass++) {
+        const int seg = tid + WG_THREADS * pass, t = seg / 16, part = seg % 16;
+        if (t < ntok)
+            cp_async_16(st.v.at(t, part * 8), info.src[3] + t * stride + part * 8);
+        else
+            *reinterpret_cast<uint4 *>(st.v.at(t, part * 8)) = make_uint4(0, 0, 0, 0);
+    }
+    cp_async_mbar_arrive(full);
+}
+
+/* Warp 0: sigmoid of the beta logits issue_row_copies returned, into their chunk's info (0 past the end). */
+__device__ __forceinline__ void store_beta(ChunkInfo &info, uint32_t beta, int lane)
+{
+    info.beta[lane] = lane < info.hdr.ntok ? sigmoid(bf16_lo(beta)) : 0.0f;
 }
 
 /*
  * Gates and tiles.  The thread's gate prefix sums stay in registers between
  * the pass that sums the gates and the pass that builds the decayed q/k
  * operands, the pair's two rows of Kr^T and the chunk's decay factors.
- * Tokens past the chunk's end (stale rows of the raw stage) become zeros.
+ * Tokens past the chunk's end (stale raw rows) become zeros.
  */
-__device__ __forceinline__ void prepare_tiles(const RawStage &raw, PrepStage &st, ProducerScratch &scr, int ptid)
+__device__ __forceinline__ void prepare_tiles(ProducerArea &area, const ChunkInfo &info, PrepStage &st, int tid,
+                                              ProducerSync sync)
 {
-    ptid = per_chunk(ptid);
-    const ChunkInfo &info = raw.info;
+    tid = per_chunk(tid);
     const int ntok = info.hdr.ntok;
-    const int pair = ptid % PAIRS, quarter = ptid / PAIRS, t_begin = quarter * QUARTER, d = 2 * pair;
+    const int pair = tid % PAIRS, half = tid / PAIRS, t_begin = half * HALF, d = 2 * pair;
     const float exp_a = info.exp_a, lb2 = info.lb2;
     const float2 dt_bias = *reinterpret_cast<const float2 *>(&info.dt_bias[d]);
 
-    float2 G[QUARTER];                             /* gate prefix sums within the quarter, log2 units */
+    float2 G[HALF];                                /* gate prefix sums within the half, log2 units */
     float2 acc = make_float2(0.0f, 0.0f);
-    {
-        uint32_t gw[QUARTER];
 #pragma unroll
-        for (int e = 0; e < QUARTER; e++)
-            gw[e] = *reinterpret_cast<const uint32_t *>(raw.g + (t_begin + e) * D + d);
+    for (int e8 = 0; e8 < HALF; e8 += 8) {
+        uint32_t gw[8];
 #pragma unroll
-        for (int e = 0; e < QUARTER; e++) {
+        for (int e = 0; e < 8; e++)
+            gw[e] = *reinterpret_cast<const uint32_t *>(area.g + (t_begin + e8 + e) * D + d);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
             const float s0 = sigmoid(exp_a * (bf16_lo(gw[e]) + dt_bias.x));
             const float s1 = sigmoid(exp_a * (bf16_hi(gw[e]) + dt_bias.y));
-            if (t_begin + e < ntok) {              /* padding tokens leave G unchanged */
+            if (t_begin + e8 + e < ntok) {         /* padding tokens leave G unchanged */
                 acc.x += lb2 * s0;
                 acc.y += lb2 * s1;
             }
-            G[e] = acc;
+            G[e8 + e] = acc;
         }
     }
-    scr.quarter_total[quarter][pair] = acc;
-    producer_sync();                               /* quarter totals are in */
+    area.half_total[half][pair] = acc;
+    sync();                                        /* half totals are in */
 
-    float2 tot[4];
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-        tot[q] = scr.quarter_total[q][pair];
-    const float2 mid = make_float2(tot[0].x + tot[1].x, tot[0].y + tot[1].y);    /* c: G at the middle token */
-    const float2 tail = make_float2(tot[2].x + tot[3].x, tot[2].y + tot[3].y);   /* G_last - c */
-    /* G_t - c = G[t] + shift: the quarters before the thread's, minus c */
-    const float2 shift = quarter == 0 ? make_float2(-mid.x, -mid.y)
-                       : quarter == 1 ? make_float2(-tot[1].x, -tot[1].y)
-                       : quarter == 2 ? make_float2(0.0f, 0.0f)
-                                      : tot[2];
-    if (quarter == 0) {
-        st.gam_mid[d] = fast_exp2(mid.x);
-        st.gam_mid[d + 1] = fast_exp2(mid.y);
-    } else if (quarter == 3) {
-        st.gam_last[d] = fast_exp2(mid.x + tail.x);
-        st.gam_last[d + 1] = fast_exp2(mid.y + tail.y);
+    const float2 first = area.half_total[0][pair];                /* c: G at the middle token */
+    const float2 second = area.half_total[1][pair];               /* G_last - c */
+    /* G_t - c = G[t] + shift */
+    const float2 shift = half == 0 ? make_float2(-first.x, -first.y) : make_float2(0.0f, 0.0f);
+    if (half == 0) {
+        st.gam_mid[d] = fast_exp2(first.x);
+        st.gam_mid[d + 1] = fast_exp2(first.y);
+    } else {
+        st.gam_last[d] = fast_exp2(first.x + second.x);
+        st.gam_last[d + 1] = fast_exp2(first.y + second.y);
     }
-    const float2 decay_tail = make_float2(fast_exp2(tail.x), fast_exp2(tail.y));   /* e^(G_last - c) */
+    const float2 decay_tail = make_float2(fast_exp2(second.x), fast_exp2(second.y));   /* e^(G_last - c) */
 
-    uint32_t kr[2][QUARTER / 2];                   /* the pair's two Kr^T rows over the quarter */
 #pragma unroll
-    for (int t4 = 0; t4 < QUARTER; t4 += 4) {      /* 4 tokens: load, compute, store */
-        uint32_t kw[4], qw[4];
+    for (int t8 = 0; t8 < HALF; t8 += 8) {         /* 8 tokens: one 16-byte piece of each Kr^T row */
+        uint32_t kr[2][4];                         /* the pair's two Kr^T rows over the 8 tokens */
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int t = t_begin + t4 + e;
-            kw[e] = t < ntok ? *reinterpret_cast<const uint32_t *>(raw.k + t * D + d) : 0u;
-            qw[e] = t < ntok ? *reinterpret_cast<const uint32_t *>(raw.q + t * D + d) : 0u;
-        }
-        uint32_t kd[4], qd[4], ki[4], qi[4];
+        for (int t4 = 0; t4 < 8; t4 += 4) {        /* 4 tokens: load, compute, store */
+            uint32_t kw[4], qw[4];
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float2 g = G[t4 + e];
-            const float up0 = fast_exp2(g.x + shift.x), up1 = fast_exp2(g.y + shift.y);   /* e^(G-c) */
-            const float dn0 = fast_rcp(up0), dn1 = fast_rcp(up1);                          /* e^(c-G) */
-            const float k0 = bf16_lo(kw[e]), k1 = bf16_hi(kw[e]), q0 = bf16_lo(qw[e]), q1 = bf16_hi(qw[e]);
-            kd[e] = pack_bf16x2(k0 * up0, k1 * up1);
-            qd[e] = pack_bf16x2(q0 * up0, q1 * up1);
-            ki[e] = pack_bf16x2(k0 * dn0, k1 * dn1);
-            qi[e] = pack_bf16x2(q0 * dn0, q1 * dn1);
-            const float kr0 = k0 * dn0 * decay_tail.x, kr1 = k1 * dn1 * decay_tail.y;
-            const int w = (t4 + e) / 2;
-            if (e & 1) {
-                kr[0][w] = pack_bf16x2(__uint_as_float(kr[0][w]), kr0);
-                kr[1][w] = pack_bf16x2(__uint_as_float(kr[1][w]), kr1);
-            } else {
-                kr[0][w] = __float_as_uint(kr0);
-                kr[1][w] = __float_as_uint(kr1);
+            for (int e = 0; e < 4; e++) {
+                const int t = t_begin + t8 + t4 + e;
+                kw[e] = t < ntok ? *reinterpret_cast<const uint32_t *>(area.k + t * D + d) : 0u;
+                qw[e] = t < ntok ? *reinterpret_cast<const uint32_t *>(area.q + t * D + d) : 0u;
+            }
+            uint32_t kd[4], qd[4], ki[4], qi[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 g = G[t8 + t4 + e];
+                const float up0 = fast_exp2(g.x + shift.x), up1 = fast_exp2(g.y + shift.y);   /* e^(G-c) */
+                const float dn0 = fast_rcp(up0), dn1 = fast_rcp(up1);                          /* e^(c-G) */
+                const float k0 = bf16_lo(kw[e]), k1 = bf16_hi(kw[e]), q0 = bf16_lo(qw[e]), q1 = bf16_hi(qw[e]);
+                kd[e] = pack_bf16x2(k0 * up0, k1 * up1);
+                qd[e] = pack_bf16x2(q0 * up0, q1 * up1);
+                ki[e] = pack_bf16x2(k0 * dn0, k1 * dn1);
+                qi[e] = pack_bf16x2(q0 * dn0, q1 * dn1);
+                const float kr0 = k0 * dn0 * decay_tail.x, kr1 = k1 * dn1 * decay_tail.y;
+                const int w = (t4 + e) / 2;
+                if (e & 1) {
+                    kr[0][w] = pack_bf16x2(__uint_as_float(kr[0][w]), kr0);
+                    kr[1][w] = pack_bf16x2(__uint_as_float(kr[1][w]), kr1);
+                } else {
+                    kr[0][w] = __float_as_uint(kr0);
+                    kr[1][w] = __float_as_uint(kr1);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int t = t_begin + t8 + t4 + e;
+                *reinterpret_cast<uint32_t *>(st.kq.at(t, d)) = kd[e];
+                *reinterpret_cast<uint32_t *>(st.kq.at(C + t, d)) = qd[e];
+                *reinterpret_cast<uint32_t *>(area.kiq.at(t, d)) = ki[e];
+                *reinterpret_cast<uint32_t *>(area.kiq.at(C + t, d)) = qi[e];
             }
         }
+        /* Kr^T rows d and d + 1, one 16-byte store each; odd groups of four pairs store row d + 1
+           first, so a warp's stores cover all eight bank groups of the swizzle */
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int t = t_begin + t4 + e;
-            *reinterpret_cast<uint32_t *>(st.kq.at(t, d)) = kd[e];
-            *reinterpret_cast<uint32_t *>(st.kq.at(C + t, d)) = qd[e];
-            *reinterpret_cast<uint32_t *>(scr.kiq.at(t, d)) = ki[e];
-            *reinterpret_cast<uint32_t *>(scr.kiq.at(C + t, d)) = qi[e];
+        for (int r = 0; r < 2; r++) {
+            const int row = r ^ ((pair >> 2) & 1);
+            *reinterpret_cast<uint4 *>(st.krm.at(d + row, t_begin + t8)) =
+                row ? make_uint4(kr[1][0], kr[1][1], kr[1][2], kr[1][3]) : make_uint4(kr[0][0], kr[0][1], kr[0][2], kr[0][3]);
         }
-    }
-    /* Kr^T rows d and d + 1, one 16-byte store each; odd groups of four pairs store row d + 1
-       first, so a warp's stores cover all eight bank groups of the swizzle */
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = r ^ ((pair >> 2) & 1);
-        *reinterpret_cast<uint4 *>(st.krm.at(d + row, t_begin)) =
-            row ? make_uint4(kr[1][0], kr[1][1], kr[1][2], kr[1][3]) : make_uint4(kr[0][0], kr[0][1], kr[0][2], kr[0][3]);
     }
 }
 
 /*
- * WG0: [kd; qd] . [ki; qi]^T on the tensor cores.  Warp w holds rows 16w + g
- * and 16w + g + 8 (g = lane / 4): warps 0-1 rows of L, warps 2-3 rows of Mqk.
- * The diagonal element of row r sits in n-tile r / 8, column g of the tile,
- * with lane 4g + g / 2 of the row's quad; a quad shuffle hands it to all four.
+ * [kd; qd] . [ki; qi]^T on the tensor cores; `meanwhile` runs while the
+ * wgmma does.  Warp w holds rows 16w + g and 16w + g + 8 (g = lane / 4):
+ * warps 0-1 rows of L, warps 2-3 rows of Mqk.  The diagonal element of row r
+ * sits in n-tile r / 8, column g of the tile, with lane 4g + g / 2 of the
+ * row's quad; a quad shuffle hands it to all four.
  */
-__device__ __forceinline__ void prepare_lmqk(const RawStage &raw, PrepStage &st, ProducerScratch &scr, int tid)
+template <typename Meanwhile>
+__device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo &info, PrepStage &st, int tid,
+                                             Meanwhile meanwhile)
 {
-    tid = per_chunk(tid);
     float lm[32];
 #pragma unroll
     for (int i = 0; i < 32; i++)
@@ -279,11 +322,13 @@ __device__ __forceinline__ void prepare_lmqk(const RawStage &raw, PrepStage &st,
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++)
-        wgmma_m64n64k16_ss(lm, sw128_desc(st.kq.kslice(ks)), sw128_desc(scr.kiq.kslice(ks)), ks > 0);
+        wgmma_m64n64k16_ss(lm, sw128_desc(st.kq.kslice(ks)), sw128_desc(area.kiq.kslice(ks)), ks > 0);
     wgmma_commit();
+    meanwhile();
     wgmma_wait<0>();
     fence_operands(lm);
 
+    tid = per_chunk(tid);
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const bool is_mqk = warp >= 2;
 #pragma unroll
@@ -297,7 +342,7 @@ __device__ __forceinline__ void prepare_lmqk(const RawStage &raw, PrepStage &st,
         const int i = 16 * (warp & 1) + g + 8 * h;   /* token of the row */
         if (is_mqk) {
             if (t4 == 0)
-                st.out_scale[i] = raw.info.scale * n;
+                st.out_scale[i] = info.scale * n;
 #pragma unroll
             for (int nt = 0; nt < C / 8; nt++) {
                 const int j = 8 * nt + 2 * t4;
@@ -305,7 +350,7 @@ __device__ __forceinline__ void prepare_lmqk(const RawStage &raw, PrepStage &st,
                 *reinterpret_cast<uint32_t *>(st.krm.at(D + i, j)) = pack_bf16x2(j <= i ? v0 : 0.0f, j + 1 <= i ? v1 : 0.0f);
             }
         } else {
-            const float b = raw.info.beta[i], bn = b * n, bn2 = bn * n;
+            const float b = info.beta[i], bn = b * n, bn2 = bn * n;
             if (t4 == 0) {
                 st.bn[i] = bn;
                 st.bn2[i] = bn2;
@@ -314,22 +359,9 @@ __device__ __forceinline__ void prepare_lmqk(const RawStage &raw, PrepStage &st,
             for (int nt = 0; nt < C / 8; nt++) {
                 const int j = 8 * nt + 2 * t4;
                 const float v0 = lm[4 * nt + 2 * h], v1 = lm[4 * nt + 2 * h + 1];
-                *reinterpret_cast<float2 *>(&scr.lmat[i][j]) = make_float2(j < i ? bn2 * v0 : 0.0f, j + 1 < i ? bn2 * v1 : 0.0f);
+                *reinterpret_cast<float2 *>(&area.lmat[i][j]) = make_float2(j < i ? bn2 * v0 : 0.0f, j + 1 < i ? bn2 * v1 : 0.0f);
             }
         }
-    }
-}
-
-/* WG1 while WG0 runs prepare_lmqk: the values, row-major raw -> the consumers' swizzled tile. */
-__device__ __forceinline__ void prepare_values(const RawStage &raw, PrepStage &st, int tid)
-{
-    tid = per_chunk(tid);
-    const int ntok = raw.info.hdr.ntok;
-#pragma unroll
-    for (int n = 0; n < 4; n++) {
-        const int seg = tid + WG_THREADS * n, t = seg >> 4, part = seg & 15;
-        const uint4 v = t < ntok ? *reinterpret_cast<const uint4 *>(raw.v + t * D + part * 8) : make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4 *>(st.v.at(t, part * 8)) = v;
     }
 }
 
@@ -337,32 +369,39 @@ __device__ __forceinline__ void prepare_values(const RawStage &raw, PrepStage &s
  * Merges every pair of N x N diagonal blocks of the inverse into one 2N x 2N
  * block: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]] with
  * B = L[r1.., r0..].  A^-1 and C^-1 are lower triangular, so the sums skip
- * their upper triangles (never written).  One output per thread.
+ * their upper triangles (never written).
  */
 template <int N>
-__device__ __forceinline__ void merge_inverse_blocks(ProducerScratch &scr, int ptid)
+__device__ __forceinline__ void merge_inverse_blocks(ProducerArea &area, int tid, ProducerSync sync)
 {
     constexpr int OUTS = C / (2 * N) * N * N;
-    static_assert(OUTS <= PRODUCER_THREADS, "one output per thread");
-    const int pr = ptid / (N * N), i = (ptid % (N * N)) / N, j = ptid % N, r0 = 2 * N * pr;
-    if (ptid < OUTS) {                             /* X = B . A^-1 */
-        float s = 0.0f;
+    constexpr int PER_THREAD = (OUTS + WG_THREADS - 1) / WG_THREADS;
 #pragma unroll
-        for (int m = 0; m < N; m++)
-            if (m >= j)
-                s += scr.lmat[r0 + N + i][r0 + m] * scr.inv[r0 + m][r0 + j];
-        scr.x[pr * N + i][j] = s;
-    }
-    producer_sync();
-    if (ptid < OUTS) {                             /* -C^-1 . X */
-        float s = 0.0f;
+    for (int r = 0; r < PER_THREAD; r++) {         /* X = B . A^-1 */
+        const int o = tid + WG_THREADS * r, pr = o / (N * N), i = (o % (N * N)) / N, j = o % N, r0 = 2 * N * pr;
+        if (o < OUTS) {
+            float s = 0.0f;
 #pragma unroll
-        for (int m = 0; m < N; m++)
-            if (m <= i)
-                s += scr.inv[r0 + N + i][r0 + N + m] * scr.x[pr * N + m][j];
-        scr.inv[r0 + N + i][r0 + j] = -s;
+            for (int m = 0; m < N; m++)
+                if (m >= j)
+                    s += area.lmat[r0 + N + i][r0 + m] * area.inv[r0 + m][r0 + j];
+            area.x[pr * N + i][j] = s;
+        }
     }
-    producer_sync();
+    sync();
+#pragma unroll
+    for (int r = 0; r < PER_THREAD; r++) {         /* -C^-1 . X */
+        const int o = tid + WG_THREADS * r, pr = o / (N * N), i = (o % (N * N)) / N, j = o % N, r0 = 2 * N * pr;
+        if (o < OUTS) {
+            float s = 0.0f;
+#pragma unroll
+            for (int m = 0; m < N; m++)
+                if (m <= i)
+                    s += area.inv[r0 + N + i][r0 + N + m] * area.x[pr * N + m][j];
+            area.inv[r0 + N + i][r0 + j] = -s;
+        }
+    }
+    sync();
 }
 
 /*
@@ -370,12 +409,13 @@ __device__ __forceinline__ void merge_inverse_blocks(ProducerScratch &scr, int p
  * warps 0-3 each invert one 8 x 8 diagonal block by forward substitution
  * (lane j owns column j), then the blocks merge to 16 x 16 and to 32 x 32.
  */
-__device__ __forceinline__ void prepare_inverse(PrepStage &st, ProducerScratch &scr, int ptid)
+__device__ __forceinline__ void prepare_inverse(ProducerArea &area, PrepStage &st, int tid, ProducerSync sync)
 {
-    ptid = per_chunk(ptid);
+    tid = per_chunk(tid);
     constexpr int B = 8;
-    const int warp = ptid >> 5, lane = ptid & 31;
-    if (warp < C / B && lane < B) {
+    static_assert(C / B == WG_THREADS / 32, "one 8 x 8 block per warp");
+    const int warp = tid >> 5, lane = tid & 31;
+    if (lane < B) {
         const int off = B * warp, j = lane;
         float x[B];
 #pragma unroll
@@ -385,89 +425,84 @@ __device__ __forceinline__ void prepare_inverse(PrepStage &st, ProducerScratch &
         for (int m = 0; m < B - 1; m++)            /* right-looking: eliminate x[m] from later rows */
 #pragma unroll
             for (int i = m + 1; i < B; i++)
-                x[i] -= scr.lmat[off + i][off + m] * x[m];
+                x[i] -= area.lmat[off + i][off + m] * x[m];
 #pragma unroll
         for (int m = 0; m < B; m++)
-            scr.inv[off + m][off + j] = x[m];
+            area.inv[off + m][off + j] = x[m];
     }
-    producer_sync();
-    merge_inverse_blocks<B>(scr, ptid);
-    merge_inverse_blocks<2 * B>(scr, ptid);
+    sync();
+    merge_inverse_blocks<B>(area, tid, sync);
+    merge_inverse_blocks<2 * B>(area, tid, sync);
 
-    const int r = ptid >> 3, c0 = (ptid & 7) * 4;  /* four elements of row r per thread */
-    uint32_t w[2];
+    const int r = tid >> 2, c0 = (tid & 3) * 8;    /* eight elements of row r per thread */
+    uint32_t w[4];
 #pragma unroll
-    for (int e = 0; e < 2; e++) {
+    for (int e = 0; e < 4; e++) {
         const int j = c0 + 2 * e;
-        w[e] = pack_bf16x2(j <= r ? scr.inv[r][j] : 0.0f, j + 1 <= r ? scr.inv[r][j + 1] : 0.0f);
+        w[e] = pack_bf16x2(j <= r ? area.inv[r][j] : 0.0f, j + 1 <= r ? area.inv[r][j + 1] : 0.0f);
     }
-    *reinterpret_cast<uint2 *>(st.inv.at(r, c0)) = make_uint2(w[0], w[1]);
+    *reinterpret_cast<uint4 *>(st.inv.at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_params &p, int ptid)
+/* Producer warpgroup `wg` (thread `tid` of it): chunks wg, wg + 2, ... until the work runs out. */
+__device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_params &p, int wg, int tid)
 {
     const uint32_t nitems = uint32_t(*p.nseqs) * uint32_t(p.heads);
-    const int wg = ptid / WG_THREADS, tid = ptid % WG_THREADS;
-    PROF_START(ptid == 0);
+    ProducerArea &area = sm.area[wg];
+    const ProducerSync sync{BAR_PRODUCER + uint32_t(wg)};
+    uint64_t *loaded = &sm.loaded[wg];
+    PROF_START(wg == 0 && tid == 0);
 
-    /* Loads run two chunks ahead; WG1's first warp holds the beta logits of chunks n and n + 1, stored
-       into their stage when the chunk is prepared, so their loads have 1.5 chunks to land. */
-    if (ptid == 0) {                               /* an empty cursor: the first plan fetches an item */
-        sm.scratch.cursor.seq = 0;
-        sm.scratch.cursor.t0 = 1;
-        sm.scratch.cursor.len = 0;
+    /* The first chunk: planned (warpgroup 0 starts an empty cursor, so its plan fetches an item) and
+       requested.  Warp 0 holds the beta logits of the next chunk until it is prepared. */
+    if (tid == 0) {
+        if (wg == 0) {
+            sm.cursor.seq = 0;
+            sm.cursor.t0 = 1;
+            sm.cursor.len = 0;
+        }
+        plan_in_turn(sm, p, nitems, wg, 0, area.info[0]);
     }
-    uint32_t beta[2] = {0u, 0u};
-#pragma unroll
-    for (int s = 0; s < 2; s++) {
-        if (ptid == 0)
-            plan_chunk(sm.scratch, p, nitems, sm.raw[s]);
-        producer_sync();
-        if (wg == 1)
-            beta[s] = issue_copies(sm.raw[s], &sm.loaded[s], p, tid);
-    }
+    sync();
+    uint32_t beta = issue_row_copies(area, area.info[0], loaded, p, tid);
 
-    for (uint32_t n = 0;; n++) {
-        RawStage &raw = sm.raw[n % RAW_STAGES], &ahead = sm.raw[(n + 2) % RAW_STAGES];
+    for (uint32_t k = 0;; k++) {
+        const uint32_t n = 2 * k + uint32_t(wg);   /* the chunk's number in the CTA's sequence */
+        ChunkInfo &info = area.info[k & 1], &next = area.info[(k + 1) & 1];
         PrepStage &st = sm.prep[n % PREP_STAGES];
         uint64_t *full = &sm.full[n % PREP_STAGES], *empty = &sm.empty[n % PREP_STAGES];
-        const uint32_t empty_parity = ((n / PREP_STAGES) & 1) ^ 1;
 
-        if (wg == 1 && tid < 32)                   /* chunk n's betas */
-            store_beta(raw, beta[0], tid);
-        beta[0] = beta[1];
-        if (ptid == 0)                             /* chunk n + 2's plan */
-            plan_chunk(sm.scratch, p, nitems, ahead);
+        if (tid < 32)
+            store_beta(info, beta, tid);
+        if (tid == 0)                              /* chunk n + 2 */
+            plan_in_turn(sm, p, nitems, wg, k + 1, next);
         PROF_MARK(PROF_P_FETCH);
-        mbar_wait(&sm.loaded[n % RAW_STAGES], (n / RAW_STAGES) & 1);   /* this chunk's rows have landed */
+        mbar_wait(loaded, k & 1);                  /* this chunk's rows have landed */
         PROF_MARK(PROF_P_LOADWAIT);
-        mbar_wait(empty, empty_parity);            /* the consumers are done with this stage */
+        mbar_wait(empty, ((n / PREP_STAGES) & 1) ^ 1);   /* the consumers are done with this stage */
         fence_proxy_async();
         PROF_MARK(PROF_P_EMPTYWAIT);
-        const ChunkHeader hdr = raw.info.hdr;
+        const ChunkHeader hdr = info.hdr;
         if (hdr.flags & CHUNK_END) {               /* tell the consumers to stop */
-            if (ptid == 0)
+            if (tid == 0)
                 st.hdr = hdr;
+            cp_async_mbar_arrive(full);
             mbar_arrive(full);
             PROF_FLUSH(PROF_TOTAL);
             return;
         }
 
-        prepare_tiles(raw, st, sm.scratch, ptid);
+        issue_value_copies(st, info, full, p, tid);
+        prepare_tiles(area, info, st, tid, sync);
         fence_proxy_async();                       /* kd, qd, ki, qi feed the wgmma below */
-        producer_sync();                           /* (and chunk n + 2's plan is visible) */
+        sync();                                    /* (and the raw rows are free, chunk n + 2's plan visible) */
         PROF_MARK(PROF_P_OPERANDS);
-        if (wg == 0) {
-            prepare_lmqk(raw, st, sm.scratch, tid);
-        } else {                                   /* meanwhile: the values, and chunk n + 2's loads */
-            prepare_values(raw, st, tid);
-            if (tid == 0)
-                st.hdr = hdr;
-            beta[1] = issue_copies(ahead, &sm.loaded[(n + 2) % RAW_STAGES], p, tid);
-        }
-        producer_sync();
+        prepare_lmqk(area, info, st, tid, [&] { beta = issue_row_copies(area, next, loaded, p, tid); });
+        if (tid == 0)
+            st.hdr = hdr;
+        sync();
         PROF_MARK(PROF_P_LMQK);
-        prepare_inverse(st, sm.scratch, ptid);
+        prepare_inverse(area, st, tid, sync);
         fence_proxy_async();                       /* the stage's tiles feed the consumers' wgmma */
         mbar_arrive(full);
         PROF_MARK(PROF_P_INV);

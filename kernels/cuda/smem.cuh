@@ -2,11 +2,13 @@
  * smem.cuh - the fused kernel's shared memory: tile shapes, the 128- and
  * 64-byte swizzled operand layouts, the pipeline stages and their barriers.
  *
- *   PrepStage x 2   chunk operands the producers prepare for the consumers
- *   RawStage  x 3   q, k, g, v of a chunk as loaded by cp.async, with
- *                   the chunk's header and layer weights
- *   ProducerScratch the producers' private working set
- *   full/empty      one mbarrier pair per PrepStage
+ *   PrepStage x 3    chunk operands the producers prepare for the consumers
+ *   ProducerArea x 2 one per producer warpgroup: the raw q, k, g rows of its
+ *                    chunk (cp.async), the plans of its current and next
+ *                    chunk, and its working set
+ *   LoadCursor       where the producers are in the work (shared by both)
+ *   mbarriers        full/empty per PrepStage, loaded and plan turn per
+ *                    producer warpgroup
  */
 #pragma once
 
@@ -16,10 +18,9 @@ namespace kda {
 
 constexpr int D = 128;              /* head dimension (K = V = 128) */
 constexpr int C = 32;               /* tokens per chunk */
-constexpr int PREP_STAGES = 2;      /* prepared chunks in flight: one consumed while one is prepared */
-constexpr int RAW_STAGES = 3;       /* chunk loads in flight: issued two chunks ahead */
+constexpr int PREP_STAGES = 3;      /* prepared chunks in flight: one consumed while each producer prepares one */
 
-/* Warpgroup roles: WG0 and WG1 prepare each chunk together, WG2 and WG3 each own 64 state rows. */
+/* Warpgroup roles: WG0 and WG1 prepare alternate chunks, WG2 and WG3 each own 64 state rows. */
 constexpr int WG_THREADS = 128;
 constexpr int PRODUCER_WGS = 2;
 constexpr int CONSUMER_WGS = 2;
@@ -32,8 +33,9 @@ constexpr int ROWS_PER_CONSUMER = D / CONSUMER_WGS;
  * (all 65,536 of the SM's), which the roles then split 80 / 176.  Each
  * consumer thread holds the fp32 state (64) and output (16) accumulators,
  * the [P | O1] accumulator (32), the bf16 A fragments of the state (32), U
- * (16) and the chunk's V values (8); a producer thread one key-dim pair of
- * an 8-token quarter chunk, or a 32-register wgmma accumulator.
+ * (16) and the chunk's V values (8); a producer thread the gate prefix sums
+ * of one key-dim pair over half a chunk (32), or a 32-register wgmma
+ * accumulator.
  */
 constexpr int LAUNCH_REGS = 65536 / THREADS;
 constexpr uint32_t PRODUCER_REGS = 80;
@@ -43,8 +45,8 @@ static_assert(PRODUCER_REGS * PRODUCER_THREADS + CONSUMER_REGS * WG_THREADS * CO
 
 enum NamedBarrier : uint32_t {
     BAR_ALL = 0,        /* __syncthreads */
-    BAR_PRODUCERS = 1,  /* the two producer warpgroups */
-    BAR_CONSUMER = 2,   /* + consumer index: one consumer warpgroup */
+    BAR_PRODUCER = 1,   /* + producer index: one producer warpgroup */
+    BAR_CONSUMER = 3,   /* + consumer index: one consumer warpgroup */
 };
 
 /*
@@ -137,8 +139,9 @@ struct alignas(1024) PrepStage {
     Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 kd = k e^(G-c), rows 32..63 qd = q e^(G-c) */
     Sw64Tile<D + C> krm;         /* [160 x 32]: rows 0..127 Kr^T[d][j] = k_j e^(G_last-G_j), 128..159 Mqk[i][j] */
     Sw64Tile<C> inv;             /* [32 x 32]: (I + L^)^-1 */
-    Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values, read by ldmatrix.trans; 0 past the end;
-                                    then the chunk's outputs on their way to global memory */
+    Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values (cp.async straight from global memory),
+                                    read by ldmatrix.trans; 0 past the end; then the chunk's outputs on
+                                    their way to global memory */
     float bn[C];                 /* b n: scales V in Uin; 0 past the chunk's last token */
     float bn2[C];                /* b n^2: scales P in Uin; 0 past the chunk's last token */
     float out_scale[C];          /* scale m: the output's factor */
@@ -147,7 +150,7 @@ struct alignas(1024) PrepStage {
     ChunkHeader hdr;
 };
 
-/* A chunk as planned by the producers' thread 0, and its loaded per-token and per-head values. */
+/* A chunk as planned, and its loaded per-token and per-head values. */
 struct ChunkInfo {
     ChunkHeader hdr;
     float exp_a;                 /* e^A_log of the head */
@@ -156,16 +159,8 @@ struct ChunkInfo {
     const uint16_t *src[4];      /* q, k, g, v at the chunk's first token and this head */
     const uint16_t *beta_src;    /* beta at the chunk's first token and this head */
     const float *dt_bias_src;    /* the head's dt_bias row */
-    float beta[C];               /* sigmoid(beta); 0 past the chunk's last token (stored one chunk later) */
+    float beta[C];               /* sigmoid(beta); 0 past the chunk's last token (stored when it is prepared) */
     float dt_bias[D];            /* the head's dt_bias */
-};
-
-struct alignas(128) RawStage {
-    uint16_t q[C * D];           /* [32 x 128] bf16, row-major; rows past the end are stale */
-    uint16_t k[C * D];
-    uint16_t g[C * D];
-    uint16_t v[C * D];
-    ChunkInfo info;
 };
 
 /* The producers' position in the work: the chunk they plan next. */
@@ -178,24 +173,31 @@ struct LoadCursor {
     float exp_a, lb2, scale;
 };
 
-struct alignas(1024) ProducerScratch {
+/* One producer warpgroup's own memory: it prepares every other chunk. */
+struct alignas(1024) ProducerArea {
     Sw128Tile<2 * C, D> kiq;     /* [64 x 128]: rows 0..31 ki = k e^(c-G), rows 32..63 q e^(c-G) */
+    uint16_t q[C * D];           /* [32 x 128] bf16, row-major, as loaded; rows past the end are stale */
+    uint16_t k[C * D];
+    uint16_t g[C * D];
+    ChunkInfo info[2];           /* the chunk being prepared and the next one (by the parity of the
+                                    warpgroup's chunk count) */
     union {                      /* lifetimes do not overlap: the gates, then L and the inverse */
-        float2 quarter_total[4][D / 2];   /* per key-dim pair: the gate sum over each quarter chunk */
+        float2 half_total[2][D / 2];      /* per key-dim pair: the gate sum over each half chunk */
         float lmat[C][C + 2];    /* strictly lower diag(b n^2) kd ki^T, fp32 (rows padded, 8-byte aligned) */
     };
     float inv[C][C + 1];         /* (I + L^)^-1 under construction, fp32 */
     float x[C / 2][C / 2 + 1];   /* L21 . A^-1 while merging diagonal blocks of the inverse */
-    LoadCursor cursor;
 };
 
 struct SharedStorage {
     PrepStage prep[PREP_STAGES];
-    RawStage raw[RAW_STAGES];
-    ProducerScratch scratch;
-    uint64_t loaded[RAW_STAGES]; /* copies -> producers: raw stage filled (128 cp.async arrivals, WG1) */
-    uint64_t full[PREP_STAGES];  /* producers -> consumers: stage prepared (256 arrivals) */
-    uint64_t empty[PREP_STAGES]; /* consumers -> producer: stage consumed (256 arrivals) */
+    ProducerArea area[PRODUCER_WGS];
+    LoadCursor cursor;
+    uint64_t full[PREP_STAGES];  /* producer -> consumers: stage prepared and its values landed
+                                    (128 arrivals and 128 cp.async arrivals of one warpgroup) */
+    uint64_t empty[PREP_STAGES]; /* consumers -> producers: stage consumed (256 arrivals) */
+    uint64_t loaded[PRODUCER_WGS];    /* a warpgroup's raw rows landed (its 128 cp.async arrivals) */
+    uint64_t plan_turn[PRODUCER_WGS]; /* this warpgroup may plan next (1 arrival, by the other) */
 };
 
 constexpr size_t SMEM_BYTES = sizeof(SharedStorage) + 1024;   /* + alignment slack of the dynamic base */
