@@ -135,9 +135,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         }
         fence_operands(pq);
         wgmma_fence();
+        const uint64_t kq_desc = sw128_desc(st.kq.data);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++)
-            wgmma_m64n64k16_rs(pq, a1[ks], sw128_desc(st.kq.kslice(ks)), ks > 0);
+            wgmma_m64n64k16_rs(pq, a1[ks], desc_advance(kq_desc, st.kq.kslice_offset(ks)), ks > 0);
         wgmma_commit();
         /* V^T at this thread's (row, token) positions while step 1 runs: two ldmatrix.trans of the
            value tile give, per 8-token tile nt, bf16 pairs (tokens 2t, 2t+1) of rows row0 (.x), row0+8 (.y) */
@@ -172,9 +173,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             acc_to_a(&pq[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a3[ks]);
         fence_operands(u);
         wgmma_fence();
+        const uint64_t inv_desc = sw64_desc(st.inv.data);
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++)
-            wgmma_m64n32k16_rs(u, a3[ks], sw64_desc(st.inv.kslice(ks)), ks > 0);
+            wgmma_m64n32k16_rs(u, a3[ks], desc_advance(inv_desc, st.inv.kslice_offset(ks)), ks > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(u);
@@ -198,9 +200,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             acc_to_a(&u[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a4[ks]);
         fence_operands(acc);
         wgmma_fence();
+        const uint64_t krm_desc = sw64_desc(st.krm.data);
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++)
-            wgmma_m64n160k16_rs(acc, a4[ks], sw64_desc(st.krm.kslice(ks)), 1);
+            wgmma_m64n160k16_rs(acc, a4[ks], desc_advance(krm_desc, st.krm.kslice_offset(ks)), 1);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(acc);

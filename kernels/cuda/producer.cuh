@@ -320,9 +320,11 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
         lm[i] = 0.0f;
     fence_operands(lm);
     wgmma_fence();
+    const uint64_t kq_desc = sw128_desc(st.kq.data), kiq_desc = sw128_desc(area.kiq.data);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++)
-        wgmma_m64n64k16_ss(lm, sw128_desc(st.kq.kslice(ks)), sw128_desc(area.kiq.kslice(ks)), ks > 0);
+        wgmma_m64n64k16_ss(lm, desc_advance(kq_desc, st.kq.kslice_offset(ks)),
+                           desc_advance(kiq_desc, area.kiq.kslice_offset(ks)), ks > 0);
     wgmma_commit();
     meanwhile();
     wgmma_wait<0>();

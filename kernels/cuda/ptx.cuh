@@ -87,11 +87,27 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *bar)
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
+/* Closes this thread's cp.asyncs so far into one group, for cp_async_wait. */
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+/* Waits until at most PENDING of this thread's most recent cp.async groups are still in flight. */
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
 /* ---- barriers and fences ------------------------------------------------ */
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads)
 {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+/* Arrives at a named barrier without waiting (the waiters use named_barrier_sync). */
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 /* Orders this thread's generic-proxy shared-memory writes before later
@@ -194,6 +210,10 @@ __device__ __forceinline__ uint64_t sw64_desc(const void *tile)
     const uint64_t lbo = 1, sbo = 512 >> 4, swizzle_64b = 2;
     return start | (lbo << 16) | (sbo << 32) | (swizzle_64b << 62);
 }
+
+/* A descriptor moved `bytes` (a multiple of 16) further into its tile: the start address is the
+   low field, and shared memory (< 256 KB) never carries out of it, so one add does it. */
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }

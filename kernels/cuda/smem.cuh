@@ -76,10 +76,10 @@ struct alignas(1024) Sw128Tile {
     {
         return reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(data) + offset(row, col));
     }
-    /* Start of the 16-column K slice `ks` for rows [row0, row0 + 8n): what a descriptor points at. */
-    __device__ __forceinline__ const void *kslice(int ks, int row0 = 0) const
+    /* Byte offset of the 16-column K slice `ks`: what desc_advance adds to the tile's descriptor. */
+    __host__ __device__ __forceinline__ static constexpr uint32_t kslice_offset(int ks)
     {
-        return reinterpret_cast<const char *>(data) + (ks >> 2) * ROWS * 128 + row0 * 128 + (ks & 3) * 32;
+        return uint32_t((ks >> 2) * ROWS * 128 + (ks & 3) * 32);
     }
 };
 
@@ -105,11 +105,8 @@ struct alignas(512) Sw64Tile {
     {
         return reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(data) + offset(row, col));
     }
-    /* Start of the 16-column K slice `ks` (0 or 1): what a descriptor points at. */
-    __device__ __forceinline__ const void *kslice(int ks) const
-    {
-        return reinterpret_cast<const char *>(data) + ks * 32;
-    }
+    /* Byte offset of the 16-column K slice `ks` (0 or 1): what desc_advance adds to the tile's descriptor. */
+    __host__ __device__ __forceinline__ static constexpr uint32_t kslice_offset(int ks) { return uint32_t(ks * 32); }
 };
 
 /* What the producer tells the consumers about a chunk. */

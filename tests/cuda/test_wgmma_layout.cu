@@ -97,7 +97,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
         fence_operands(d);
         wgmma_fence();
         for (int ks = 0; ks < 8; ks++)
-            wgmma_m64n64k16_rs(d, a[ks], sw128_desc(sm.a.kslice(ks)), ks > 0);
+            wgmma_m64n64k16_rs(d, a[ks], desc_advance(sw128_desc(sm.a.data), sm.a.kslice_offset(ks)), ks > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(d);
@@ -128,7 +128,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
             fence_operands(d);
             wgmma_fence();
             for (int ks = 0; ks < 2; ks++)
-                wgmma_m64n32k16_rs(d, a[ks], sw64_desc(sm.b32.kslice(ks)), ks > 0);
+                wgmma_m64n32k16_rs(d, a[ks], desc_advance(sw64_desc(sm.b32.data), sm.b32.kslice_offset(ks)), ks > 0);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(d);
@@ -145,7 +145,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
             fence_operands(d);
             wgmma_fence();
             for (int ks = 0; ks < 2; ks++)
-                wgmma_m64n160k16_rs(d, a[ks], sw64_desc(sm.b160.kslice(ks)), 1);
+                wgmma_m64n160k16_rs(d, a[ks], desc_advance(sw64_desc(sm.b160.data), sm.b160.kslice_offset(ks)), 1);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(d);
@@ -165,7 +165,8 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
         fence_operands(d);
         wgmma_fence();
         for (int ks = 0; ks < 8; ks++)
-            wgmma_m64n64k16_ss(d, sw128_desc(sm.a.kslice(ks)), sw128_desc(sm.b64k.kslice(ks)), ks > 0);
+            wgmma_m64n64k16_ss(d, desc_advance(sw128_desc(sm.a.data), sm.a.kslice_offset(ks)),
+                               desc_advance(sw128_desc(sm.b64k.data), sm.b64k.kslice_offset(ks)), ks > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(d);
