@@ -23,8 +23,8 @@
  *            is |k_t|^2 and |q_t|^2 (the gates cancel), which gives the norms;
  *            L^ = diag(b n^2) strictly_lower(kd ki^T), Mqk = lower_incl(qd ki^T).
  *            While it runs, the raw rows of chunk n + 2 are requested.
- *   inverse  (I + L^)^-1 in fp32 by forward substitution, one warp (taking
- *            turns, so each scheduler gets its share)
+ *   inverse  (I + L^)^-1 in fp32: 8 x 8 diagonal blocks by forward
+ *            substitution, merged to 16 x 16 and 32 x 32
  *
  * smem.cuh (PrepStage) gives the algebra that lets the norms come last.
  * Centring on the middle token splits the chunk cleanly: G_t - c is the
@@ -59,13 +59,6 @@ __device__ __forceinline__ int per_chunk(int tid)
 {
     asm volatile("" : "+r"(tid));
     return tid;
-}
-
-/* The same for a wgmma descriptor of a warpgroup's own tile (else its eight K slices stay in registers). */
-__device__ __forceinline__ uint64_t per_chunk(uint64_t desc)
-{
-    asm volatile("" : "+l"(desc));
-    return desc;
 }
 
 /* One producer warpgroup's barrier. */
@@ -327,7 +320,7 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
         lm[i] = 0.0f;
     fence_operands(lm);
     wgmma_fence();
-    const uint64_t kq_desc = sw128_desc(st.kq.data), kiq_desc = per_chunk(sw128_desc(area.kiq.data));
+    const uint64_t kq_desc = sw128_desc(st.kq.data), kiq_desc = sw128_desc(area.kiq.data);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++)
         wgmma_m64n64k16_ss(lm, desc_advance(kq_desc, st.kq.kslice_offset(ks)),
@@ -365,44 +358,92 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
                 st.bn2[i] = bn2;
             }
 #pragma unroll
-            for (int nt = 0; nt < C / 8; nt++) {  /* the inverse reads only the strict lower triangle */
+            for (int nt = 0; nt < C / 8; nt++) {
                 const int j = 8 * nt + 2 * t4;
-                area.lmat_t[j][i] = bn2 * lm[4 * nt + 2 * h];
-                area.lmat_t[j + 1][i] = bn2 * lm[4 * nt + 2 * h + 1];
+                const float v0 = lm[4 * nt + 2 * h], v1 = lm[4 * nt + 2 * h + 1];
+                *reinterpret_cast<float2 *>(&area.lmat[i][j]) = make_float2(j < i ? bn2 * v0 : 0.0f, j + 1 < i ? bn2 * v1 : 0.0f);
             }
         }
     }
 }
 
 /*
- * (I + L^)^-1 in fp32 into the stage's bf16 tile, by one warp: lane j solves
- * (I + L^) x = e_j by forward substitution, right-looking (once x[m] is
- * final, it is eliminated from every later row), so its FMAs are independent
- * within a step and the chain is one FMA per step.  Every lane reads the same
- * column of L^ (a broadcast, four rows per load).  x[i] stays exactly 0 for
- * i < j, which is the tile's zero upper triangle.
+ * Merges every pair of N x N diagonal blocks of the inverse into one 2N x 2N
+ * block: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]] with
+ * B = L[r1.., r0..].  A^-1 and C^-1 are lower triangular, so the sums skip
+ * their upper triangles (never written).
  */
-__device__ __forceinline__ void prepare_inverse(const ProducerArea &area, PrepStage &st, int lane)
+template <int N>
+__device__ __forceinline__ void merge_inverse_blocks(ProducerArea &area, int tid, ProducerSync sync)
 {
-    lane = per_chunk(lane);
-    float x[C];
+    constexpr int OUTS = C / (2 * N) * N * N;
+    constexpr int PER_THREAD = (OUTS + WG_THREADS - 1) / WG_THREADS;
 #pragma unroll
-    for (int i = 0; i < C; i++)
-        x[i] = i == lane ? 1.0f : 0.0f;
+    for (int r = 0; r < PER_THREAD; r++) {         /* X = B . A^-1 */
+        const int o = tid + WG_THREADS * r, pr = o / (N * N), i = (o % (N * N)) / N, j = o % N, r0 = 2 * N * pr;
+        if (o < OUTS) {
+            float s = 0.0f;
 #pragma unroll
-    for (int m = 0; m < C - 1; m++) {
-#pragma unroll
-        for (int i4 = (m + 1) / 4 * 4; i4 < C; i4 += 4) {
-            const float4 l = *reinterpret_cast<const float4 *>(&area.lmat_t[m][i4]);
-            if (i4 + 0 > m) x[i4 + 0] -= l.x * x[m];
-            if (i4 + 1 > m) x[i4 + 1] -= l.y * x[m];
-            if (i4 + 2 > m) x[i4 + 2] -= l.z * x[m];
-            if (i4 + 3 > m) x[i4 + 3] -= l.w * x[m];
+            for (int m = 0; m < N; m++)
+                if (m >= j)
+                    s += area.lmat[r0 + N + i][r0 + m] * area.inv[r0 + m][r0 + j];
+            area.x[pr * N + i][j] = s;
         }
     }
+    sync();
 #pragma unroll
-    for (int i = 0; i < C; i++)
-        *st.inv.at(i, lane) = f32_to_bf16(x[i]);
+    for (int r = 0; r < PER_THREAD; r++) {         /* -C^-1 . X */
+        const int o = tid + WG_THREADS * r, pr = o / (N * N), i = (o % (N * N)) / N, j = o % N, r0 = 2 * N * pr;
+        if (o < OUTS) {
+            float s = 0.0f;
+#pragma unroll
+            for (int m = 0; m < N; m++)
+                if (m <= i)
+                    s += area.inv[r0 + N + i][r0 + N + m] * area.x[pr * N + m][j];
+            area.inv[r0 + N + i][r0 + j] = -s;
+        }
+    }
+    sync();
+}
+
+/*
+ * (I + L^)^-1 in fp32 into the stage's bf16 tile (zero above the diagonal):
+ * warps 0-3 each invert one 8 x 8 diagonal block by forward substitution
+ * (lane j owns column j), then the blocks merge to 16 x 16 and to 32 x 32.
+ */
+__device__ __forceinline__ void prepare_inverse(ProducerArea &area, PrepStage &st, int tid, ProducerSync sync)
+{
+    tid = per_chunk(tid);
+    constexpr int B = 8;
+    static_assert(C / B == WG_THREADS / 32, "one 8 x 8 block per warp");
+    const int warp = tid >> 5, lane = tid & 31;
+    if (lane < B) {
+        const int off = B * warp, j = lane;
+        float x[B];
+#pragma unroll
+        for (int m = 0; m < B; m++)
+            x[m] = m == j ? 1.0f : 0.0f;
+#pragma unroll
+        for (int m = 0; m < B - 1; m++)            /* right-looking: eliminate x[m] from later rows */
+#pragma unroll
+            for (int i = m + 1; i < B; i++)
+                x[i] -= area.lmat[off + i][off + m] * x[m];
+#pragma unroll
+        for (int m = 0; m < B; m++)
+            area.inv[off + m][off + j] = x[m];
+    }
+    sync();
+    merge_inverse_blocks<B>(area, tid, sync);
+    merge_inverse_blocks<2 * B>(area, tid, sync);
+
+    const int r = tid >> 2, c0 = (tid & 3) * 8;    /* eight elements of row r per thread */
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const int j = c0 + 2 * e;
+        w[e] = pack_bf16x2(j <= r ? area.inv[r][j] : 0.0f, j + 1 <= r ? area.inv[r][j + 1] : 0.0f);
+    }
+    *reinterpret_cast<uint4 *>(st.inv.at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 /* Producer warpgroup `wg` (thread `tid` of it): chunks wg, wg + 2, ... until the work runs out. */
@@ -463,8 +504,7 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
             st.hdr = hdr;
         sync();
         PROF_MARK(PROF_P_LMQK);
-        if (tid / 32 == int(k % 4))
-            prepare_inverse(area, st, tid % 32);
+        prepare_inverse(area, st, tid, sync);
         fence_proxy_async();                       /* the stage's tiles feed the consumers' wgmma */
         mbar_arrive(full);
         PROF_MARK(PROF_P_INV);

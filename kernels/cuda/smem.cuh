@@ -178,11 +178,12 @@ struct alignas(1024) ProducerArea {
     uint16_t g[C * D];
     ChunkInfo info[2];           /* the chunk being prepared and the next one (by the parity of the
                                     warpgroup's chunk count) */
-    union {                      /* lifetimes do not overlap: the gates, then L */
+    union {                      /* lifetimes do not overlap: the gates, then L and the inverse */
         float2 half_total[2][D / 2];      /* per key-dim pair: the gate sum over each half chunk */
-        float lmat_t[C][C + 4];  /* L^ = diag(b n^2) kd ki^T transposed ([j][i]), fp32; only j < i is
-                                    meaningful.  Rows padded to 16-byte multiples, off the bank stride */
+        float lmat[C][C + 2];    /* strictly lower diag(b n^2) kd ki^T, fp32 (rows padded, 8-byte aligned) */
     };
+    float inv[C][C + 1];         /* (I + L^)^-1 under construction, fp32 */
+    float x[C / 2][C / 2 + 1];   /* L21 . A^-1 while merging diagonal blocks of the inverse */
 };
 
 struct SharedStorage {
