@@ -8,11 +8,12 @@
  *
  * Per chunk (V-major state S[v][k], KDA.md "Chunked form"; the operands are
  * built from raw q and k, with the norms as per-token factors: smem.cuh):
- *   1  [P | O1]^T = (S diag(e^c)) . [kd | qd]^T       m64 n64 k128   A: state, registers
+ *   1  S = S diag(e^c), then [P | O1]^T = S . [kd | qd]^T
+ *                                                     m64 n64 k128   A: state, registers
  *   2  Uin^T = b n V^T - b n^2 P^T                    registers
  *   3  U^T = Uin^T . INV^T                            m64 n32 k32    A: Uin^T, registers
- *   4  [S | O]^T = [S diag(e^G_last) | O1^T] + U^T . [Kr | Mqk^T]
- *                                                     m64 n160 k32   A: U^T, registers
+ *   4  S = (S + U^T . ki) diag(e^tail)                m64 n128 k32   A: U^T, registers; ki N-major
+ *      O^T = O1^T + U^T . Mqk^T                       m64 n32 k32
  * then O, times scale / |q_t|, is stored as bf16 (through the stage's value
  * tile, for whole-row stores), and after the item's last chunk S goes back
  * to its pool slot (in place: the slot is read once at the first chunk).
@@ -44,8 +45,21 @@ __device__ __forceinline__ void acc_to_a(const float *acc16x16, float s0, float 
     a[3] = pack_bf16x2(acc16x16[6] * s2, acc16x16[7] * s3);
 }
 
+/* S = S diag(f): this thread's 64 state values times the factors of their columns (key dims). */
+__device__ __forceinline__ void scale_columns(float (&acc)[64], const float *f, ConsumerLane ln)
+{
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++) {
+        const float2 s = *reinterpret_cast<const float2 *>(&f[8 * nt + ln.col]);
+        acc[4 * nt + 0] *= s.x;
+        acc[4 * nt + 1] *= s.y;
+        acc[4 * nt + 2] *= s.x;
+        acc[4 * nt + 3] *= s.y;
+    }
+}
+
 /* Loads this thread's 64 state values of (slot, head); zeros when asked to start fresh. */
-__device__ __forceinline__ void load_state(float (&acc)[80], const kda_fwd_params &p, int64_t slot,
+__device__ __forceinline__ void load_state(float (&acc)[64], const kda_fwd_params &p, int64_t slot,
                                            int head, ConsumerLane ln, bool zero)
 {
     const int64_t base = (slot * p.heads + head) * int64_t(D * D);
@@ -69,7 +83,7 @@ __device__ __forceinline__ void load_state(float (&acc)[80], const kda_fwd_param
     }
 }
 
-__device__ __forceinline__ void store_state(const float (&acc)[80], const kda_fwd_params &p, int64_t slot,
+__device__ __forceinline__ void store_state(const float (&acc)[64], const kda_fwd_params &p, int64_t slot,
                                             int head, ConsumerLane ln)
 {
     const int64_t base = (slot * p.heads + head) * int64_t(D * D);
@@ -93,14 +107,18 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
     const ConsumerLane ln{wg * ROWS_PER_CONSUMER + warp * 16 + (lane >> 2), 2 * (lane & 3)};
     const int64_t stride = int64_t(p.heads) * D;     /* elements between tokens */
 
-    float acc[80];   /* [S | O^T]: n-tiles 0..15 = state columns (key dims), 16..19 = output tokens */
+    float acc[64];   /* S: n-tile nt = state columns (key dims) 8nt .. 8nt + 7 */
+    float ot[16];    /* O^T: n-tile nt = output tokens 8nt .. 8nt + 7 */
     float pq[32];    /* [P^T | O1^T]: n-tiles 0..3 = P^T, 4..7 = O1^T */
     float u[16];     /* U^T */
     uint16_t *out = nullptr;
     int64_t slot = 0;
 #pragma unroll
-    for (int i = 0; i < 80; i++)
+    for (int i = 0; i < 64; i++)
         acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        ot[i] = 0.0f;
 #pragma unroll
     for (int i = 0; i < 32; i++)
         pq[i] = 0.0f;
@@ -125,14 +143,12 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             PROF_MARK(PROF_C_STATE);
         }
 
-        /* 1: [P | O1]^T = (S e^c) . [kd | qd]^T */
+        /* 1: S = S e^c, [P | O1]^T = S . [kd | qd]^T */
+        scale_columns(acc, st.gam_mid, ln);
         uint32_t a1[D / 16][4];
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ks++) {
-            const float2 lo = *reinterpret_cast<const float2 *>(&st.gam_mid[16 * ks + ln.col]);
-            const float2 hi = *reinterpret_cast<const float2 *>(&st.gam_mid[16 * ks + 8 + ln.col]);
-            acc_to_a(&acc[8 * ks], lo.x, lo.y, hi.x, hi.y, a1[ks]);
-        }
+        for (int ks = 0; ks < D / 16; ks++)
+            acc_to_a(&acc[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a1[ks]);
         fence_operands(pq);
         wgmma_fence();
         const uint64_t kq_desc = sw128_desc(st.kq.data);
@@ -182,31 +198,28 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         fence_operands(u);
         PROF_MARK(PROF_C_STEP23);
 
-        /* 4: [S | O]^T = [S e^G_last | O1^T] + U^T . [Kr | Mqk^T] */
+        /* 4: S = (S + U^T . ki) e^tail, O^T = O1^T + U^T . Mqk^T */
 #pragma unroll
         for (int i = 0; i < 16; i++)
-            acc[64 + i] = pq[16 + i];
-#pragma unroll
-        for (int nt = 0; nt < D / 8; nt++) {
-            const float2 gl = *reinterpret_cast<const float2 *>(&st.gam_last[8 * nt + ln.col]);
-            acc[4 * nt + 0] *= gl.x;
-            acc[4 * nt + 1] *= gl.y;
-            acc[4 * nt + 2] *= gl.x;
-            acc[4 * nt + 3] *= gl.y;
-        }
+            ot[i] = pq[16 + i];
         uint32_t a4[C / 16][4];
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++)
             acc_to_a(&u[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a4[ks]);
         fence_operands(acc);
+        fence_operands(ot);
         wgmma_fence();
-        const uint64_t krm_desc = sw64_desc(st.krm.data);
+        const uint64_t ki_desc = sw128_nmajor_desc(st.kiq.data, st.kiq.BLOCK_BYTES), mqk_desc = sw64_desc(st.mqk.data);
 #pragma unroll
-        for (int ks = 0; ks < C / 16; ks++)
-            wgmma_m64n160k16_rs(acc, a4[ks], desc_advance(krm_desc, st.krm.kslice_offset(ks)), 1);
+        for (int ks = 0; ks < C / 16; ks++) {
+            wgmma_m64n128k16_rs_nmajor(acc, a4[ks], desc_advance(ki_desc, st.kiq.nmajor_kslice_offset(ks)), 1);
+            wgmma_m64n32k16_rs(ot, a4[ks], desc_advance(mqk_desc, st.mqk.kslice_offset(ks)), 1);
+        }
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(acc);
+        fence_operands(ot);
+        scale_columns(acc, st.gam_tail, ln);
         PROF_MARK(PROF_C_STEP4);
 
         /* epilogue: O^T times scale / |q_t|, transposed by stmatrix into the value tile (whose rows
@@ -218,7 +231,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             const float2 os = *reinterpret_cast<const float2 *>(&st.out_scale[8 * nt + ln.col]);
 #pragma unroll
             for (int h = 0; h < 2; h++)            /* 8 x 8 matrix (nt, h): tokens 8nt.., rows 8h.. of the warp's 16 */
-                o[nt / 2][2 * (nt % 2) + h] = pack_bf16x2(acc[64 + 4 * nt + 2 * h] * os.x, acc[64 + 4 * nt + 2 * h + 1] * os.y);
+                o[nt / 2][2 * (nt % 2) + h] = pack_bf16x2(ot[4 * nt + 2 * h] * os.x, ot[4 * nt + 2 * h + 1] * os.y);
         }
 #pragma unroll
         for (int call = 0; call < 2; call++) {

@@ -9,16 +9,17 @@
  *
  * Per chunk n (C = 32 tokens of one (sequence, head)), with c the gate prefix
  * sum at the chunk's middle token (per key dim) so every exponent below stays
- * within e^+-80 (KDA.md, "Range").  Thread p (0..127) of the warpgroup owns
- * key-dim pair p % 64 over half chunk p / 64 (16 tokens):
+ * within e^+-80 (KDA.md, "Range").  In the elementwise passes thread p
+ * (0..127) of the warpgroup owns key dims 4 (p % 32) .. + 3 over quarter
+ * chunk p / 32 (8 tokens):
  *
  *   plan     thread 0, in its turn, plans the warpgroup's next chunk (n + 2)
  *   values   once the consumers free the stage: the chunk's values by cp.async
  *            straight into the stage's value tile
  *   gates    G_t = sum_{s<=t} lower_bound * sigmoid(e^A_log (g_sd + dt_bias_d)),
- *            within the thread's half, in log2 units, in registers
+ *            within the thread's quarter, in log2 units, in registers
  *   tiles    kd = k e^(G-c), qd = q e^(G-c), ki = k e^(c-G), qi = q e^(c-G),
- *            Kr^T[d][t] = k e^(G_last - G_t), e^G_last, e^c  (raw q, k: no norms yet)
+ *            e^c, e^(G_last - c)  (raw q, k: no norms yet)
  *   L, Mqk   [kd; qd] . [ki; qi]^T by wgmma (64 x 64 x 128).  Its diagonal
  *            is |k_t|^2 and |q_t|^2 (the gates cancel), which gives the norms;
  *            L^ = diag(b n^2) strictly_lower(kd ki^T), Mqk = lower_incl(qd ki^T).
@@ -26,9 +27,10 @@
  *   inverse  (I + L^)^-1 in fp32: 8 x 8 diagonal blocks by forward
  *            substitution, merged to 16 x 16 and 32 x 32
  *
- * smem.cuh (PrepStage) gives the algebra that lets the norms come last.
- * Centring on the middle token splits the chunk cleanly: G_t - c is the
- * prefix sum within the second half, or minus the rest of the first half.
+ * smem.cuh (PrepStage) gives the algebra that lets the norms come last and
+ * the state update use ki.  Centring on the middle token splits the chunk
+ * cleanly: G_t - c is the thread's own prefix sum plus a sum of whole
+ * quarter totals.
  */
 #pragma once
 
@@ -42,8 +44,7 @@
 namespace kda {
 
 constexpr float LOG2E = 1.4426950408889634f;
-constexpr int HALF = C / 2;          /* tokens per producer thread */
-constexpr int PAIRS = D / 2;         /* key-dim pairs */
+constexpr int QUARTER = C / 4;       /* tokens per producer thread (and per warp) */
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -201,105 +202,81 @@ __device__ __forceinline__ void store_beta(ChunkInfo &info, uint32_t beta, int l
 }
 
 /*
- * Gates and tiles.  The thread's gate prefix sums stay in registers between
- * the pass that sums the gates and the pass that builds the decayed q/k
- * operands, the pair's two rows of Kr^T and the chunk's decay factors.
- * Tokens past the chunk's end (stale raw rows) become zeros.
+ * Gates and tiles: thread = four key dims (lane) x one quarter chunk (warp),
+ * so every load and store moves four elements.  The thread's gate prefix sums
+ * stay in registers between the pass that sums the gates and the pass that
+ * builds the decayed q/k operands and the chunk's decay factors.  Tokens past
+ * the chunk's end (stale raw rows) become zeros.
  */
 __device__ __forceinline__ void prepare_tiles(ProducerArea &area, const ChunkInfo &info, PrepStage &st, int tid,
                                               ProducerSync sync)
 {
     tid = per_chunk(tid);
     const int ntok = info.hdr.ntok;
-    const int pair = tid % PAIRS, half = tid / PAIRS, t_begin = half * HALF, d = 2 * pair;
-    const float exp_a = info.exp_a, lb2 = info.lb2;
-    const float2 dt_bias = *reinterpret_cast<const float2 *>(&info.dt_bias[d]);
+    const int quarter = tid / 32, t_begin = quarter * QUARTER, d = 4 * (tid % 32);
+    /* sigmoid(e^A (g + dt_bias)) = 1 / (1 + 2^(g a + b)) with a = -e^A log2(e), b = a dt_bias */
+    const float a = -info.exp_a * LOG2E, lb2 = info.lb2;
+    const float4 dt = *reinterpret_cast<const float4 *>(&info.dt_bias[d]);
+    const float b[4] = {a * dt.x, a * dt.y, a * dt.z, a * dt.w};
 
-    float2 G[HALF];                                /* gate prefix sums within the half, log2 units */
-    float2 acc = make_float2(0.0f, 0.0f);
+    float G[QUARTER][4];                           /* gate prefix sums within the quarter, log2 units */
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int e8 = 0; e8 < HALF; e8 += 8) {
-        uint32_t gw[8];
+    for (int e = 0; e < QUARTER; e++) {
+        const uint2 gw = *reinterpret_cast<const uint2 *>(area.g + (t_begin + e) * D + d);
+        const float g[4] = {bf16_lo(gw.x), bf16_hi(gw.x), bf16_lo(gw.y), bf16_hi(gw.y)};
+        const bool real = t_begin + e < ntok;      /* padding tokens leave G unchanged */
 #pragma unroll
-        for (int e = 0; e < 8; e++)
-            gw[e] = *reinterpret_cast<const uint32_t *>(area.g + (t_begin + e8 + e) * D + d);
-#pragma unroll
-        for (int e = 0; e < 8; e++) {
-            const float s0 = sigmoid(exp_a * (bf16_lo(gw[e]) + dt_bias.x));
-            const float s1 = sigmoid(exp_a * (bf16_hi(gw[e]) + dt_bias.y));
-            if (t_begin + e8 + e < ntok) {         /* padding tokens leave G unchanged */
-                acc.x += lb2 * s0;
-                acc.y += lb2 * s1;
-            }
-            G[e8 + e] = acc;
+        for (int j = 0; j < 4; j++) {
+            const float sig = fast_rcp(1.0f + fast_exp2(fmaf(g[j], a, b[j])));
+            acc[j] = real ? fmaf(lb2, sig, acc[j]) : acc[j];
+            G[e][j] = acc[j];
         }
     }
-    area.half_total[half][pair] = acc;
-    sync();                                        /* half totals are in */
+    area.quarter_total[quarter][d / 4] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    sync();                                        /* quarter totals are in */
 
-    const float2 first = area.half_total[0][pair];                /* c: G at the middle token */
-    const float2 second = area.half_total[1][pair];               /* G_last - c */
-    /* G_t - c = G[t] + shift */
-    const float2 shift = half == 0 ? make_float2(-first.x, -first.y) : make_float2(0.0f, 0.0f);
-    if (half == 0) {
-        st.gam_mid[d] = fast_exp2(first.x);
-        st.gam_mid[d + 1] = fast_exp2(first.y);
-    } else {
-        st.gam_last[d] = fast_exp2(first.x + second.x);
-        st.gam_last[d + 1] = fast_exp2(first.y + second.y);
-    }
-    const float2 decay_tail = make_float2(fast_exp2(second.x), fast_exp2(second.y));   /* e^(G_last - c) */
+    float4 tot[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+        tot[q] = area.quarter_total[q][d / 4];
+    const float4 mid = make_float4(tot[0].x + tot[1].x, tot[0].y + tot[1].y, tot[0].z + tot[1].z, tot[0].w + tot[1].w);
+    /* G_t - c = G[t] + shift: the quarters before the thread's, minus c (G after the second quarter) */
+    const float4 shift = quarter == 0 ? make_float4(-mid.x, -mid.y, -mid.z, -mid.w)
+                       : quarter == 1 ? make_float4(-tot[1].x, -tot[1].y, -tot[1].z, -tot[1].w)
+                       : quarter == 2 ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                                      : tot[2];
+    if (quarter == 0)
+        *reinterpret_cast<float4 *>(&st.gam_mid[d]) =
+            make_float4(fast_exp2(mid.x), fast_exp2(mid.y), fast_exp2(mid.z), fast_exp2(mid.w));
+    else if (quarter == 3)
+        *reinterpret_cast<float4 *>(&st.gam_tail[d]) =
+            make_float4(fast_exp2(tot[2].x + tot[3].x), fast_exp2(tot[2].y + tot[3].y),
+                        fast_exp2(tot[2].z + tot[3].z), fast_exp2(tot[2].w + tot[3].w));
+    const float sh[4] = {shift.x, shift.y, shift.z, shift.w};
 
 #pragma unroll
-    for (int t8 = 0; t8 < HALF; t8 += 8) {         /* 8 tokens: one 16-byte piece of each Kr^T row */
-        uint32_t kr[2][4];                         /* the pair's two Kr^T rows over the 8 tokens */
+    for (int e = 0; e < QUARTER; e++) {
+        const int t = t_begin + e;
+        const bool real = t < ntok;
+        const uint2 kw = real ? *reinterpret_cast<const uint2 *>(area.k + t * D + d) : make_uint2(0, 0);
+        const uint2 qw = real ? *reinterpret_cast<const uint2 *>(area.q + t * D + d) : make_uint2(0, 0);
+        const float k[4] = {bf16_lo(kw.x), bf16_hi(kw.x), bf16_lo(kw.y), bf16_hi(kw.y)};
+        const float q[4] = {bf16_lo(qw.x), bf16_hi(qw.x), bf16_lo(qw.y), bf16_hi(qw.y)};
+        float up[4], dn[4];
 #pragma unroll
-        for (int t4 = 0; t4 < 8; t4 += 4) {        /* 4 tokens: load, compute, store */
-            uint32_t kw[4], qw[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int t = t_begin + t8 + t4 + e;
-                kw[e] = t < ntok ? *reinterpret_cast<const uint32_t *>(area.k + t * D + d) : 0u;
-                qw[e] = t < ntok ? *reinterpret_cast<const uint32_t *>(area.q + t * D + d) : 0u;
-            }
-            uint32_t kd[4], qd[4], ki[4], qi[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 g = G[t8 + t4 + e];
-                const float up0 = fast_exp2(g.x + shift.x), up1 = fast_exp2(g.y + shift.y);   /* e^(G-c) */
-                const float dn0 = fast_rcp(up0), dn1 = fast_rcp(up1);                          /* e^(c-G) */
-                const float k0 = bf16_lo(kw[e]), k1 = bf16_hi(kw[e]), q0 = bf16_lo(qw[e]), q1 = bf16_hi(qw[e]);
-                kd[e] = pack_bf16x2(k0 * up0, k1 * up1);
-                qd[e] = pack_bf16x2(q0 * up0, q1 * up1);
-                ki[e] = pack_bf16x2(k0 * dn0, k1 * dn1);
-                qi[e] = pack_bf16x2(q0 * dn0, q1 * dn1);
-                const float kr0 = k0 * dn0 * decay_tail.x, kr1 = k1 * dn1 * decay_tail.y;
-                const int w = (t4 + e) / 2;
-                if (e & 1) {
-                    kr[0][w] = pack_bf16x2(__uint_as_float(kr[0][w]), kr0);
-                    kr[1][w] = pack_bf16x2(__uint_as_float(kr[1][w]), kr1);
-                } else {
-                    kr[0][w] = __float_as_uint(kr0);
-                    kr[1][w] = __float_as_uint(kr1);
-                }
-            }
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int t = t_begin + t8 + t4 + e;
-                *reinterpret_cast<uint32_t *>(st.kq.at(t, d)) = kd[e];
-                *reinterpret_cast<uint32_t *>(st.kq.at(C + t, d)) = qd[e];
-                *reinterpret_cast<uint32_t *>(area.kiq.at(t, d)) = ki[e];
-                *reinterpret_cast<uint32_t *>(area.kiq.at(C + t, d)) = qi[e];
-            }
+        for (int j = 0; j < 4; j++) {
+            up[j] = fast_exp2(G[e][j] + sh[j]);    /* e^(G-c) */
+            dn[j] = fast_rcp(up[j]);               /* e^(c-G) */
         }
-        /* Kr^T rows d and d + 1, one 16-byte store each; odd groups of four pairs store row d + 1
-           first, so a warp's stores cover all eight bank groups of the swizzle */
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int row = r ^ ((pair >> 2) & 1);
-            *reinterpret_cast<uint4 *>(st.krm.at(d + row, t_begin + t8)) =
-                row ? make_uint4(kr[1][0], kr[1][1], kr[1][2], kr[1][3]) : make_uint4(kr[0][0], kr[0][1], kr[0][2], kr[0][3]);
-        }
+        *reinterpret_cast<uint2 *>(st.kq.at(t, d)) =
+            make_uint2(pack_bf16x2(k[0] * up[0], k[1] * up[1]), pack_bf16x2(k[2] * up[2], k[3] * up[3]));
+        *reinterpret_cast<uint2 *>(st.kq.at(C + t, d)) =
+            make_uint2(pack_bf16x2(q[0] * up[0], q[1] * up[1]), pack_bf16x2(q[2] * up[2], q[3] * up[3]));
+        *reinterpret_cast<uint2 *>(st.kiq.at(t, d)) =
+            make_uint2(pack_bf16x2(k[0] * dn[0], k[1] * dn[1]), pack_bf16x2(k[2] * dn[2], k[3] * dn[3]));
+        *reinterpret_cast<uint2 *>(st.kiq.at(C + t, d)) =
+            make_uint2(pack_bf16x2(q[0] * dn[0], q[1] * dn[1]), pack_bf16x2(q[2] * dn[2], q[3] * dn[3]));
     }
 }
 
@@ -320,11 +297,11 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
         lm[i] = 0.0f;
     fence_operands(lm);
     wgmma_fence();
-    const uint64_t kq_desc = sw128_desc(st.kq.data), kiq_desc = sw128_desc(area.kiq.data);
+    const uint64_t kq_desc = sw128_desc(st.kq.data), kiq_desc = sw128_desc(st.kiq.data);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++)
         wgmma_m64n64k16_ss(lm, desc_advance(kq_desc, st.kq.kslice_offset(ks)),
-                           desc_advance(kiq_desc, area.kiq.kslice_offset(ks)), ks > 0);
+                           desc_advance(kiq_desc, st.kiq.kslice_offset(ks)), ks > 0);
     wgmma_commit();
     meanwhile();
     wgmma_wait<0>();
@@ -349,7 +326,7 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
             for (int nt = 0; nt < C / 8; nt++) {
                 const int j = 8 * nt + 2 * t4;
                 const float v0 = lm[4 * nt + 2 * h], v1 = lm[4 * nt + 2 * h + 1];
-                *reinterpret_cast<uint32_t *>(st.krm.at(D + i, j)) = pack_bf16x2(j <= i ? v0 : 0.0f, j + 1 <= i ? v1 : 0.0f);
+                *reinterpret_cast<uint32_t *>(st.mqk.at(i, j)) = pack_bf16x2(j <= i ? v0 : 0.0f, j + 1 <= i ? v1 : 0.0f);
             }
         } else {
             const float b = info.beta[i], bn = b * n, bn2 = bn * n;

@@ -211,6 +211,19 @@ __device__ __forceinline__ uint64_t sw64_desc(const void *tile)
     return start | (lbo << 16) | (sbo << 32) | (swizzle_64b << 62);
 }
 
+/*
+ * The same swizzle read N-major (a B operand whose rows run along K and whose
+ * 128-byte rows hold 64 consecutive N): the leading-dimension offset is then
+ * the step between 64-column blocks (`block_bytes`), the stride offset the
+ * step between 8-row groups along K (1024).
+ */
+__device__ __forceinline__ uint64_t sw128_nmajor_desc(const void *tile, uint32_t block_bytes)
+{
+    const uint64_t start = (smem_u32(tile) & 0x3FFFF) >> 4;
+    const uint64_t lbo = block_bytes >> 4, sbo = 1024 >> 4, swizzle_128b = 1;
+    return start | (lbo << 16) | (sbo << 32) | (swizzle_128b << 62);
+}
+
 /* A descriptor moved `bytes` (a multiple of 16) further into its tile: the start address is the
    low field, and shared memory (< 256 KB) never carries out of it, so one add does it. */
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
@@ -233,7 +246,7 @@ __device__ __forceinline__ void fence_operands(float (&d)[N])
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* D[64 x 32] (+)= A[64 x 16] (registers) . B[16 x 32] (shared memory, K-major SW128). */
+/* D[64 x 32] (+)= A[64 x 16] (registers) . B[16 x 32] (shared memory, K-major; the swizzle is the descriptor's). */
 __device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[16], const uint32_t (&a)[4],
                                                   uint64_t b_desc, int accumulate)
 {
@@ -266,20 +279,19 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
 }
 
-/* D[64 x 160] (+)= A[64 x 16] (registers) . B[16 x 160] (shared memory, K-major SW128). */
-__device__ __forceinline__ void wgmma_m64n160k16_rs(float (&d)[80], const uint32_t (&a)[4],
-                                                  uint64_t b_desc, int accumulate)
+/* D[64 x 128] (+)= A[64 x 16] (registers) . B[16 x 128] (shared memory, N-major SW128). */
+__device__ __forceinline__ void wgmma_m64n128k16_rs_nmajor(float (&d)[64], const uint32_t (&a)[4],
+                                                          uint64_t b_desc, int accumulate)
 {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %85, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 "
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
-        "}, {%80, %81, %82, %83}, %84, p, 1, 1, 0;\n}\n"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -287,9 +299,7 @@ __device__ __forceinline__ void wgmma_m64n160k16_rs(float (&d)[80], const uint32
           "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
 }
 

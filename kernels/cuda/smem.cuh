@@ -34,7 +34,7 @@ constexpr int ROWS_PER_CONSUMER = D / CONSUMER_WGS;
  * consumer thread holds the fp32 state (64) and output (16) accumulators,
  * the [P | O1] accumulator (32), the bf16 A fragments of the state (32), U
  * (16) and the chunk's V values (8); a producer thread the gate prefix sums
- * of one key-dim pair over half a chunk (32), or a 32-register wgmma
+ * of four key dims over a quarter chunk (32), or a 32-register wgmma
  * accumulator.
  */
 constexpr int LAUNCH_REGS = 65536 / THREADS;
@@ -80,6 +80,12 @@ struct alignas(1024) Sw128Tile {
     __host__ __device__ __forceinline__ static constexpr uint32_t kslice_offset(int ks)
     {
         return uint32_t((ks >> 2) * ROWS * 128 + (ks & 3) * 32);
+    }
+    /* Read N-major (rows along K): the step between 64-column blocks, and K slice `ks` (16 rows). */
+    static constexpr uint32_t BLOCK_BYTES = ROWS * 128;
+    __host__ __device__ __forceinline__ static constexpr uint32_t nmajor_kslice_offset(int ks)
+    {
+        return uint32_t(ks * 16 * 128);
     }
 };
 
@@ -129,12 +135,18 @@ enum : uint32_t {
  * as per-token factors (n_t = 1 / |k_t|, m_t = 1 / |q_t|):
  *   L^  = diag(b n^2) strictly_lower(kd ki^T) = diag(n) L diag(1/n), so the solve
  *         with (I + L^)^-1 gives n U from the input n Uin = b n V - b n^2 P
- *         (P = S kd^T from the raw kd), and n U is what Kr and Mqk (raw k) need
+ *         (P = S kd^T from the raw kd), and n U is what ki and Mqk (raw k) need
  *   O   = scale m (O1 + (n U) Mqk^T)
+ * The state update needs no tile of its own: with c the centre of the chunk's
+ * gates and tail = G_last - c,
+ *   S_new = S e^G_last + U^T (k e^(G_last - G)) = (S e^c + U^T ki) e^tail,
+ * so the consumers scale S by e^c before step 1 (whose operand is S e^c
+ * anyway), accumulate U^T ki reading ki N-major, and scale by e^tail after.
  */
 struct alignas(1024) PrepStage {
     Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 kd = k e^(G-c), rows 32..63 qd = q e^(G-c) */
-    Sw64Tile<D + C> krm;         /* [160 x 32]: rows 0..127 Kr^T[d][j] = k_j e^(G_last-G_j), 128..159 Mqk[i][j] */
+    Sw128Tile<2 * C, D> kiq;     /* [64 x 128]: rows 0..31 ki = k e^(c-G), rows 32..63 qi = q e^(c-G) */
+    Sw64Tile<C> mqk;             /* [32 x 32]: Mqk[i][j], zero above the diagonal */
     Sw64Tile<C> inv;             /* [32 x 32]: (I + L^)^-1 */
     Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values (cp.async straight from global memory),
                                     read by ldmatrix.trans; 0 past the end; then the chunk's outputs on
@@ -142,8 +154,8 @@ struct alignas(1024) PrepStage {
     float bn[C];                 /* b n: scales V in Uin; 0 past the chunk's last token */
     float bn2[C];                /* b n^2: scales P in Uin; 0 past the chunk's last token */
     float out_scale[C];          /* scale m: the output's factor */
-    float gam_last[D];           /* e^(G_last): the state's decay over the chunk, per key dim */
-    float gam_mid[D];            /* e^c, c = G at the chunk's middle: undoes the centring in S . kd */
+    float gam_mid[D];            /* e^c, c = G at the chunk's middle token, per key dim */
+    float gam_tail[D];           /* e^(G_last - c) */
     ChunkHeader hdr;
 };
 
@@ -171,15 +183,14 @@ struct LoadCursor {
 };
 
 /* One producer warpgroup's own memory: it prepares every other chunk. */
-struct alignas(1024) ProducerArea {
-    Sw128Tile<2 * C, D> kiq;     /* [64 x 128]: rows 0..31 ki = k e^(c-G), rows 32..63 q e^(c-G) */
+struct alignas(128) ProducerArea {
     uint16_t q[C * D];           /* [32 x 128] bf16, row-major, as loaded; rows past the end are stale */
     uint16_t k[C * D];
     uint16_t g[C * D];
     ChunkInfo info[2];           /* the chunk being prepared and the next one (by the parity of the
                                     warpgroup's chunk count) */
     union {                      /* lifetimes do not overlap: the gates, then L and the inverse */
-        float2 half_total[2][D / 2];      /* per key-dim pair: the gate sum over each half chunk */
+        float4 quarter_total[4][D / 4];   /* per 4 key dims: the gate sum over each quarter chunk */
         float lmat[C][C + 2];    /* strictly lower diag(b n^2) kd ki^T, fp32 (rows padded, 8-byte aligned) */
     };
     float inv[C][C + 1];         /* (I + L^)^-1 under construction, fp32 */

@@ -4,8 +4,9 @@
  * fragment helpers (smem.cuh, ptx.cuh, consumer.cuh):
  *
  *   rs_n64   D[64x64]   = A[64x128] (registers) . B (Sw128Tile<64,128>)   consumer step 1
- *   rs_n32   D[64x32]   = A[64x32]  (registers) . B (Sw64Tile<32>)        consumer step 3
- *   rs_n160  D[64x160] += A[64x32]  (registers) . B (Sw64Tile<160>)       consumer step 4
+ *   rs_n32   D[64x32]  += A[64x32]  (registers) . B (Sw64Tile<32>)        consumer steps 3, 4 (O)
+ *   rs_n128  D[64x128] += A[64x32]  (registers) . B (Sw128Tile<64,128>, read N-major)
+ *                                                                         consumer step 4 (S)
  *   ss_n64   D[64x64]   = A (Sw128Tile<64,128>) . B (Sw128Tile<64,128>)   producer L, Mqk, norms
  *
  * against a float64 product of the same bf16 values; and the swizzled
@@ -66,13 +67,12 @@ __device__ void fill_tile(Sw128Tile<ROWS, COLS> &t, const uint16_t *src, int row
 }
 
 struct alignas(1024) LayoutSmem {
-    Sw128Tile<64, 128> a;      /* ss_n64 A, rs_n64 B */
-    Sw64Tile<160> b160;
+    Sw128Tile<64, 128> a;      /* ss_n64 A, rs_n64 B, rs_n128 B (rows = K) */
     Sw128Tile<64, 128> b64k;
     Sw64Tile<32> b32;
 };
 
-/* which: 0 rs_n64, 1 rs_n32, 2 rs_n160, 3 ss_n64.  A: [64 x K] row-major, B: [N x K] (B^T) row-major. */
+/* which: 0 rs_n64, 1 rs_n32, 2 rs_n128, 3 ss_n64.  A: [64 x K] row-major, B: [N x K] (B^T) row-major. */
 __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, const float *Dinit, float *D)
 {
     extern __shared__ uint8_t raw[];
@@ -106,11 +106,15 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
             D[row * 64 + col] = d[i];
         }
     } else if (which == 1 || which == 2) {
-        const int N = which == 1 ? 32 : 160;
-        if (which == 1)
+        const int N = which == 1 ? 32 : 128;
+        if (which == 1) {
             fill_tile(sm.b32, B, 32, 32);
-        else
-            fill_tile(sm.b160, B, 160, 32);
+        } else {   /* B^T [128 x 32] stored with rows = K, as the producer stores ki */
+            for (int idx = tid; idx < 64 * 128; idx += blockDim.x) {
+                const int k = idx / 128, n = idx % 128;
+                *sm.a.at(k, n) = k < 32 ? B[n * 32 + k] : uint16_t(0);
+            }
+        }
         fence_proxy_async();
         __syncthreads();
         float a_acc[16];
@@ -123,12 +127,14 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
             acc_to_a(&a_acc[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a[ks]);
         if (which == 1) {
             float d[16];
-            for (int i = 0; i < 16; i++)
-                d[i] = 0.0f;
+            for (int i = 0; i < 16; i++) {
+                acc_pos(tid, i, row, col);
+                d[i] = Dinit[row * N + col];
+            }
             fence_operands(d);
             wgmma_fence();
             for (int ks = 0; ks < 2; ks++)
-                wgmma_m64n32k16_rs(d, a[ks], desc_advance(sw64_desc(sm.b32.data), sm.b32.kslice_offset(ks)), ks > 0);
+                wgmma_m64n32k16_rs(d, a[ks], desc_advance(sw64_desc(sm.b32.data), sm.b32.kslice_offset(ks)), 1);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(d);
@@ -137,19 +143,20 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
                 D[row * N + col] = d[i];
             }
         } else {
-            float d[80];
-            for (int i = 0; i < 80; i++) {
+            float d[64];
+            for (int i = 0; i < 64; i++) {
                 acc_pos(tid, i, row, col);
                 d[i] = Dinit[row * N + col];
             }
             fence_operands(d);
             wgmma_fence();
+            const uint64_t desc = sw128_nmajor_desc(sm.a.data, sm.a.BLOCK_BYTES);
             for (int ks = 0; ks < 2; ks++)
-                wgmma_m64n160k16_rs(d, a[ks], desc_advance(sw64_desc(sm.b160.data), sm.b160.kslice_offset(ks)), 1);
+                wgmma_m64n128k16_rs_nmajor(d, a[ks], desc_advance(desc, sm.a.nmajor_kslice_offset(ks)), 1);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(d);
-            for (int i = 0; i < 80; i++) {
+            for (int i = 0; i < 64; i++) {
                 acc_pos(tid, i, row, col);
                 D[row * N + col] = d[i];
             }
@@ -177,7 +184,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
     }
 }
 
-/* Offsets in the index patterns of the producer's scatters (prepare_tiles, prepare_lmqk). */
+/* Offsets in the index patterns of the producer's scatters (prepare_lmqk, prepare_tiles). */
 __global__ void offsets_kernel(uint32_t *out)
 {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -187,13 +194,15 @@ __global__ void offsets_kernel(uint32_t *out)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int i = row + (e >= 2 ? 8 : 0), j = 8 * nt + 2 * t4 + (e & 1);
-            out[tid * 16 + nt * 4 + e] = Sw64Tile<160>::offset(128 + i, j);
+            out[tid * 16 + nt * 4 + e] = Sw64Tile<32>::offset(i, j);
         }
-#pragma unroll 1
-    for (int t8 = 0; t8 < 32; t8 += 8)
+    const int quarter = tid / 32, d = 4 * lane;
 #pragma unroll
-        for (int e = 0; e < 8; e++)
-            out[2048 + (t8 + e) * 128 + tid] = Sw128Tile<64, 128>::offset(32 + t8 + e, tid);
+    for (int e = 0; e < 8; e++) {
+        const int t = 8 * quarter + e;
+        out[2048 + t * 128 + tid % 32] = Sw128Tile<64, 128>::offset(t, d);
+        out[2048 + (32 + t) * 128 + tid % 32] = Sw128Tile<64, 128>::offset(32 + t, d);
+    }
 }
 
 static uint32_t reference_offset64(int row, int col)
@@ -208,7 +217,7 @@ static uint32_t reference_offset(int rows, int row, int col)
 
 static int check_offsets()
 {
-    uint32_t *d, h[2048 + 32 * 128];
+    uint32_t *d, h[2048 + 64 * 128];
     CHECK(cudaMalloc(&d, sizeof h));
     offsets_kernel<<<1, 128>>>(d);
     CHECK(cudaGetLastError());
@@ -220,11 +229,12 @@ static int check_offsets()
         for (int nt = 0; nt < 4; nt++)
             for (int e = 0; e < 4; e++) {
                 const int i = row + (e >= 2 ? 8 : 0), j = 8 * nt + 2 * t4 + (e & 1);
-                bad += h[tid * 16 + nt * 4 + e] != reference_offset64(128 + i, j);
+                bad += h[tid * 16 + nt * 4 + e] != reference_offset64(i, j);
             }
-        for (int t = 0; t < 32; t++)
-            bad += h[2048 + t * 128 + tid] != reference_offset(64, 32 + t, tid);
     }
+    for (int t = 0; t < 64; t++)
+        for (int lane = 0; lane < 32; lane++)
+            bad += h[2048 + t * 128 + lane] != reference_offset(64, t, 4 * lane);
     return bad;
 }
 
@@ -254,7 +264,7 @@ static double run_case(int which, int N, int K, unsigned seed)
     for (int i = 0; i < N * K; i++)
         hB[i] = to_bf16(float(rand()) / RAND_MAX * 2.0f - 1.0f);
     for (int i = 0; i < 64 * N; i++)
-        hInit[i] = which == 2 ? float(rand()) / RAND_MAX - 0.5f : 0.0f;
+        hInit[i] = which == 1 || which == 2 ? float(rand()) / RAND_MAX - 0.5f : 0.0f;
     uint16_t *dA, *dB;
     float *dInit, *dD;
     CHECK(cudaMalloc(&dA, 64 * K * 2));
@@ -310,8 +320,8 @@ int main()
     }
     struct { const char *name; int which, N, K; } cases[] = {
         {"rs_n64  (step 1: S . [kd|qd]^T)", 0, 64, 128},
-        {"rs_n32  (step 3: Uin^T . INV^T)", 1, 32, 32},
-        {"rs_n160 (step 4: [S|O] += U^T . [Kr|Mqk^T])", 2, 160, 32},
+        {"rs_n32  (steps 3, 4: Uin^T . INV^T, O^T += U^T . Mqk^T)", 1, 32, 32},
+        {"rs_n128 (step 4: S += U^T . ki, N-major)", 2, 128, 32},
         {"ss_n64  (producer: [kd;qd] . [ki;qi]^T)", 3, 64, 128},
     };
     const int bad_offsets = check_offsets();
