@@ -87,27 +87,11 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *bar)
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-/* Closes this thread's cp.asyncs so far into one group, for cp_async_wait. */
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-/* Waits until at most PENDING of this thread's most recent cp.async groups are still in flight. */
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
-
 /* ---- barriers and fences ------------------------------------------------ */
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads)
 {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-/* Arrives at a named barrier without waiting (the waiters use named_barrier_sync). */
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads)
-{
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 /* Orders this thread's generic-proxy shared-memory writes before later
