@@ -158,15 +158,16 @@ __device__ __forceinline__ uint32_t issue_row_copies(ProducerArea &area, ChunkIn
     const int ntok = info.hdr.ntok;
     const int64_t stride = int64_t(p.heads) * D;   /* elements between tokens */
     const int seg = tid % 16, row0 = tid / 16;     /* 16 threads per 256-byte row, 8 rows per pass */
+    const int64_t first = row0 * stride + seg * 8; /* this thread's first piece, in elements */
     uint16_t *const dst[3] = {area.q, area.k, area.g};
 #pragma unroll
-    for (int tensor = 0; tensor < 3; tensor++)
+    for (int tensor = 0; tensor < 3; tensor++) {
+        const uint16_t *src = info.src[tensor] + first;
 #pragma unroll
-        for (int pass = 0; pass < C / 8; pass++) {
-            const int row = row0 + 8 * pass;
-            if (row < ntok)
-                cp_async_16(dst[tensor] + row * D + seg * 8, info.src[tensor] + row * stride + seg * 8);
-        }
+        for (int pass = 0; pass < C / 8; pass++, src += 8 * stride)
+            if (row0 + 8 * pass < ntok)
+                cp_async_16(dst[tensor] + (row0 + 8 * pass) * D + seg * 8, src);
+    }
     if (ntok > 0)
         cp_async_4(&info.dt_bias[tid], info.dt_bias_src + tid);
     cp_async_mbar_arrive(loaded);
@@ -184,11 +185,14 @@ __device__ __forceinline__ void issue_value_copies(PrepStage &st, const ChunkInf
     tid = per_chunk(tid);
     const int ntok = info.hdr.ntok;
     const int64_t stride = int64_t(p.heads) * D;
+    constexpr int ROWS_PER_PASS = WG_THREADS / 16;
+    const int part = tid % 16, row0 = tid / 16;
+    const uint16_t *src = info.src[3] + row0 * stride + part * 8;
 #pragma unroll
-    for (int pass = 0; pass < C * D / 8 / WG_THREADS; pass++) {
-        const int seg = tid + WG_THREADS * pass, t = seg / 16, part = seg % 16;
+    for (int pass = 0; pass < C / ROWS_PER_PASS; pass++, src += ROWS_PER_PASS * stride) {
+        const int t = row0 + ROWS_PER_PASS * pass;
         if (t < ntok)
-            cp_async_16(st.v.at(t, part * 8), info.src[3] + t * stride + part * 8);
+            cp_async_16(st.v.at(t, part * 8), src);
         else
             *reinterpret_cast<uint4 *>(st.v.at(t, part * 8)) = make_uint4(0, 0, 0, 0);
     }
