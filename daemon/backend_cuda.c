@@ -35,7 +35,9 @@
  *   3. done     a completion thread waits for each batch's end event in
  *              submission order (cuda_completion: polling cudaEventQuery, or
  *              sleeping in cudaEventSynchronize on a blocking-sync event) and
- *              rings the loop (uv_async); the loop reads the device times
+ *              rings the loop (uv_async; in poll mode the loop also stays
+ *              awake and looks itself while batches run); the loop reads the
+ *              device times
  *   4. unstage (worker thread)  inline outputs and read states out of the
  *              pinned buffer, then the completion callback (loop)
  * With two buffers, batch k+1 is staged, copied in and enqueued while batch
@@ -138,6 +140,7 @@ typedef struct cuda_backend {
     cuda_buf buf[KD_CUDA_DEPTH];
     uint64_t next_seq;
     uv_async_t wake;         /* the completion thread's doorbell */
+    uv_idle_t spin;          /* poll mode: keeps the loop awake while batches run */
     int handles_open;
     bool fatal;
     get_range_fn get_range;  /* NULL if the driver does not export it */
@@ -424,6 +427,27 @@ static uint32_t bucket_for(const cuda_backend *cb, uint32_t nseqs)
 
 static void finish(cuda_buf *bf);
 
+static void on_wake(uv_async_t *a);
+
+/*
+ * Poll mode, while batches run: the loop does not sleep in epoll but looks
+ * for batches the completion thread has seen finish on every turn.  Waking a
+ * sleeping loop through the doorbell took 20-50 us per batch on the H200
+ * host (a virtual machine); this costs the loop's core while the GPU works,
+ * as the polling completion thread already does.  Stops when none is left.
+ */
+static void on_spin(uv_idle_t *h)
+{
+    cuda_backend *cb = h->data;
+    pthread_mutex_lock(&cb->mu);
+    const bool signaled = cb->nsignaled > 0, running = cb->npending > 0;
+    pthread_mutex_unlock(&cb->mu);
+    if (signaled)
+        on_wake(&cb->wake);   /* the doorbell's callback then finds nothing left */
+    else if (!running)
+        uv_idle_stop(&cb->spin);
+}
+
 /* Hands a running buffer to the completion thread (submission order). */
 static void wait_for(cuda_backend *cb, cuda_buf *bf)
 {
@@ -431,6 +455,8 @@ static void wait_for(cuda_backend *cb, cuda_buf *bf)
     cb->pending[cb->npending++] = bf;
     pthread_cond_signal(&cb->cv);
     pthread_mutex_unlock(&cb->mu);
+    if (cb->completion == KD_CUDA_COMPLETION_POLL)
+        uv_idle_start(&cb->spin, on_spin);
 }
 
 /* Queues a staged batch on the streams; a failure here means the context is
@@ -905,14 +931,15 @@ static void on_handle_closed(uv_handle_t *h)
         free_all(cb);
 }
 
-/* The memory is freed once libuv has closed the doorbell (the loop must run
- * once more, as it does at shutdown).  No batch is in flight: the completion
+/* The memory is freed once libuv has closed the doorbell and the spin handle
+ * (the loop must run once more, as it does at shutdown).  No batch is in flight: the completion
  * thread is idle, and stops first. */
 static void cuda_destroy(kd_backend *b)
 {
     cuda_backend *cb = (cuda_backend *)b;
     stop_waiter(cb);
     uv_close((uv_handle_t *)&cb->wake, on_handle_closed);
+    uv_close((uv_handle_t *)&cb->spin, on_handle_closed);
 }
 
 static const kd_backend_ops cuda_ops = {
@@ -1105,7 +1132,9 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     cb->waiter_started = true;
     uv_async_init(loop, &cb->wake, on_wake);
     cb->wake.data = cb;
-    cb->handles_open = 1;
+    uv_idle_init(loop, &cb->spin);
+    cb->spin.data = cb;
+    cb->handles_open = 2;
     KD_INFO("backend cuda: %s (%s, %d SMs), pool of %u slots x %u heads (%s, %llu MiB), "
             "%u graph buckets up to %u sequences, staging 2 x %llu MiB each way, completion %s",
             prop.name, b->info.gpu_uuid, kda_cuda_sm_count(k), cfg->slots, cfg->heads,

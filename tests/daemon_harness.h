@@ -89,6 +89,8 @@ double dh_err_f32(const float *x, const double *ref, size_t n);
 /* Client                                                                 */
 /* ---------------------------------------------------------------------- */
 
+#define DH_HELD_MAX 64
+
 typedef struct dh_client {
     int fd;
     kp_reader reader;
@@ -98,6 +100,12 @@ typedef struct dh_client {
     uint8_t *body;      /* the last frame received */
     size_t body_len;
     kp_msg msg;
+    struct {            /* responses received while waiting for another id */
+        uint8_t *body;
+        size_t len;
+        uint32_t id;
+    } held[DH_HELD_MAX];
+    int nheld;
 } dh_client;
 
 void dh_connect(dh_client *c, const dh_daemon *d);
@@ -113,10 +121,14 @@ void dh_write_fd(dh_client *c, const void *bytes, size_t n, int fd);
 
 /* Reads the next frame into c->msg; false at EOF.  Waits at most 120 s. */
 bool dh_recv(dh_client *c);
-/* The next frame is a successful response to id (its result in c->msg). */
+/* The response to id in c->msg.  Responses may arrive in any order
+ * (PROTOCOL.md): others that come first are held for their own calls; a
+ * frame that is not a response (a goodbye) is returned as it is. */
+void dh_recv_response(dh_client *c, uint32_t id);
+/* The response to id is a success (its result in c->msg). */
 void dh_expect_result(dh_client *c, uint32_t id);
-/* The next frame is an error response to id with code, whose message
- * contains substr (NULL: any). */
+/* The response to id is an error with code, whose message contains substr
+ * (NULL: any). */
 void dh_expect_error(dh_client *c, uint32_t id, int code, const char *substr);
 /* The next frame is a goodbye with code (message containing substr), then EOF. */
 void dh_expect_goodbye(dh_client *c, int code, const char *substr);

@@ -431,8 +431,8 @@ static void test_inflight_bytes_quota(void **unused)
     dh_send(&c);
     assert_int_equal(kill(d.pid, SIGCONT), 0);
 
-    /* refused at once (before the first prefill is answered); the small
-     * health request after it still fits */
+    /* refused at once, while the first two are admitted; the small health
+     * request after it still fits */
     dh_expect_error(&c, id3, KP_E_QUOTA_EXCEEDED, "above clients.max_inflight_bytes_per_uid");
     dh_expect_result(&c, id4);
     assert_int_equal(dh_recv_prefill(&c, id1, &s, NULL), 6);
