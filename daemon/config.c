@@ -91,6 +91,7 @@ static const key_spec schema[] = {
     {"batching.graph_buckets", K_BUCKETS, OFF(graph_buckets), OFF(ngraph_buckets), 1, 1u << 16,
      NULL},
     U32("batching.max_queued_requests", max_queued_requests, 1, 1u << 20),
+    U32("batching.spin_us", spin_us, 0, 100000),
     U32("clients.max_connections", max_connections, 1, 1u << 20),
     U32("clients.max_connections_per_uid", max_connections_per_uid, 1, 1u << 20),
     SIZE("clients.max_inflight_bytes_per_uid", OFF(max_inflight_bytes_per_uid),

@@ -78,6 +78,7 @@ typedef struct kd_config {
     uint32_t graph_buckets[KD_MAX_GRAPH_BUCKETS]; /* strictly increasing */
     uint32_t ngraph_buckets;    /* 0 in the file = powers of two up to max_batch_seqs */
     uint32_t max_queued_requests;
+    uint32_t spin_us;           /* the loop polls this long after answering a batch [reload] */
     /* clients [reload] */
     uint32_t max_connections;
     uint32_t max_connections_per_uid;     /* quota.h */

@@ -150,6 +150,28 @@ void kd_daemon_pump(kd_daemon *d)
     maybe_finish_drain(d);
 }
 
+/*
+ * After answering a batch the loop polls for batching.spin_us instead of
+ * sleeping in epoll: a client that sends its next request as soon as it has
+ * the answer (a serving stack's next layer, a closed-loop benchmark) is read
+ * at once instead of after a wake-up, which costs tens of microseconds on a
+ * virtual machine.
+ */
+static void on_spin(uv_idle_t *h)
+{
+    kd_daemon *d = h->data;
+    if (uv_hrtime() >= d->spin_until_ns)
+        uv_idle_stop(h);
+}
+
+static void spin_after_answer(kd_daemon *d)
+{
+    if (d->cfg.spin_us == 0 || d->stopping)
+        return;
+    d->spin_until_ns = uv_hrtime() + (uint64_t)d->cfg.spin_us * 1000u;
+    uv_idle_start(&d->spin, on_spin);
+}
+
 static void on_batch_done(void *ctx, kd_batch *batch)
 {
     kd_daemon *d = ctx;
@@ -176,6 +198,7 @@ static void on_batch_done(void *ctx, kd_batch *batch)
         batch->t.replied_ns = uv_hrtime();
         kd_stats_batch(&d->stats, &batch->t);
     }
+    spin_after_answer(d);
     bool fatal = batch->status == KD_BATCH_FATAL;
     char why[sizeof(batch->message)];
     snprintf(why, sizeof(why), "%s", batch->message);
@@ -420,6 +443,7 @@ static void close_handles(kd_daemon *d)
     uv_close((uv_handle_t *)&d->housekeeping, NULL);
     uv_close((uv_handle_t *)&d->metrics, NULL);
     uv_close((uv_handle_t *)&d->input_idle, NULL);
+    uv_close((uv_handle_t *)&d->spin, NULL);
     if (d->watchdog_on)
         kd_watchdog_close(&d->watchdog);
     kd_layers_destroy(&d->layers);
@@ -640,7 +664,8 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
     uv_timer_init(loop, &d->housekeeping);
     uv_timer_init(loop, &d->metrics);
     uv_idle_init(loop, &d->input_idle);
-    d->housekeeping.data = d->metrics.data = d->input_idle.data = d;
+    uv_idle_init(loop, &d->spin);
+    d->housekeeping.data = d->metrics.data = d->input_idle.data = d->spin.data = d;
     uv_timer_start(&d->housekeeping, on_housekeeping, KD_HOUSEKEEPING_MS, KD_HOUSEKEEPING_MS);
     start_metrics(d);
     return KD_EXIT_OK;

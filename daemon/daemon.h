@@ -65,6 +65,8 @@ struct kd_daemon {
     uint64_t next_serial;
     kd_conn *input_head;       /* connections with buffered input to process */
     uv_idle_t input_idle;
+    uv_idle_t spin;            /* keeps the loop polling after an answer (batching.spin_us) */
+    uint64_t spin_until_ns;
 
     kd_run *runs;              /* batches in flight */
     kd_job **form_scratch;     /* kd_sched_form's output */

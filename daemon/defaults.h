@@ -36,6 +36,7 @@
 /* Batching */
 #define KD_DEFAULT_MAX_QUEUED_REQUESTS 4096u     /* batching.max_queued_requests, daemon-wide */
 #define KD_MAX_GRAPH_BUCKETS 32                  /* fixed: entries of batching.graph_buckets */
+#define KD_DEFAULT_SPIN_US 200u                  /* batching.spin_us: the loop polls after answering */
 
 /* I/O per wakeup: a busy connection yields the loop to the others after this much. */
 #define KD_READ_BUDGET_BYTES (8u << 20)          /* fixed */

@@ -67,6 +67,7 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.limits.max_layers, def.max_layers);
     assert_int_equal(c.ngraph_buckets, 0);
     assert_int_equal(c.max_queued_requests, KD_DEFAULT_MAX_QUEUED_REQUESTS);
+    assert_int_equal(c.spin_us, KD_DEFAULT_SPIN_US);
     assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
     assert_int_equal(c.max_connections_per_uid, KD_DEFAULT_MAX_CONNECTIONS_PER_UID);
     assert_int_equal(c.max_inflight_bytes_per_uid, KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID);
@@ -89,7 +90,7 @@ static void test_builtin_default(void **unused)
         "max_batch_tokens:", "max_batch_seqs:", "max_seqs_per_request:",
         "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
         "max_inflight_bytes:", "max_layers:", "batching:", "graph_buckets:",
-        "max_queued_requests:", "clients:", "max_connections:", "max_connections_per_uid:",
+        "max_queued_requests:", "spin_us:", "clients:", "max_connections:", "max_connections_per_uid:",
         "max_inflight_bytes_per_uid:", "output_hard_limit:",
         "output_soft_limit:", "output_soft_seconds:", "transports:", "shm:", "cuda_ipc:",
         "layers:", "lower_bound:", "scale:", "A_log:", "dt_bias:", "file:", "log:", "level:",
@@ -112,7 +113,7 @@ static void test_file_over_default(void **unused)
                        "access:\n  allowed_uids: [0, 1000]\n  allowed_gids: [27]\n"
                        "limits:\n  max_frame_bytes: 64MiB\n  max_inline_bytes: 32MiB\n"
                        "  max_batch_seqs: 300\n  max_seqs_per_request: 100\n"
-                       "batching:\n  graph_buckets: [1, 16, 512]\n"
+                       "batching:\n  graph_buckets: [1, 16, 512]\n  spin_us: 0\n"
                        "clients:\n  output_hard_limit: 128MiB\n  output_soft_limit: 64MiB\n"
                        "log:\n  level: debug\n";
     if (load(&c, text) != 0)
@@ -132,6 +133,7 @@ static void test_file_over_default(void **unused)
     assert_int_equal(c.limits.max_batch_seqs, 300);
     assert_int_equal(c.ngraph_buckets, 3);
     assert_int_equal(c.graph_buckets[2], 512);
+    assert_int_equal(c.spin_us, 0);
     assert_int_equal(c.log_level, KD_LOG_DEBUG);
     /* untouched keys keep the default */
     assert_int_equal(c.slots, 256);
@@ -182,6 +184,8 @@ static void test_bad_values_name_the_place(void **unused)
     refused("clients:\n  output_hard_limit: 1MiB\n",
             "t.yaml:2:22: clients.output_hard_limit: 1048576 is below limits.max_frame_bytes "
             "+ 4: one response could never be sent");
+    refused("batching:\n  spin_us: 200000\n",
+            "t.yaml:2:12: batching.spin_us: 200000 is outside [0, 100000]");
     refused("batching:\n  graph_buckets: [1, 4, 2]\n",
             "t.yaml:2:18: batching.graph_buckets: buckets must be strictly increasing (2 after "
             "4)");
