@@ -78,7 +78,7 @@ int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max, kp_err
                        (unsigned)uid);
     u->inflight_bytes += bytes;
     if (u->inflight_bytes > max)
-        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "uid %u would hold %llu bytes of unanswered "
+        return kp_fail(err, KP_E_BUSY, "uid %u would hold %llu bytes of unanswered "
                        "requests, above clients.max_inflight_bytes_per_uid %llu; wait for "
                        "responses", (unsigned)uid, (unsigned long long)u->inflight_bytes,
                        (unsigned long long)max);

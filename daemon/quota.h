@@ -46,8 +46,8 @@ void kd_quota_disconnect(kd_quota *q, uid_t uid);
 /*
  * Charges a request frame of `bytes` to uid, which has a connection open.
  * The charge always stands (kd_quota_refund gives it back when the request
- * is answered); KP_E_QUOTA_EXCEEDED says that uid's unanswered frames now
- * exceed `max`, and the request must be refused.
+ * is answered); KP_E_BUSY (retryable: answers give the bytes back) says that
+ * uid's unanswered frames now exceed `max`, and the request must be refused.
  */
 int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max, kp_error *err);
 void kd_quota_refund(kd_quota *q, uid_t uid, uint64_t bytes);

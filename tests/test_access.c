@@ -13,7 +13,7 @@
  *   access lists      uid, primary gid, supplementary groups (SO_PEERGROUPS),
  *                     names in the lists, the refusal and its log line, SIGHUP
  *   connection quota  clients.max_connections_per_uid, per uid
- *   in-flight quota   clients.max_inflight_bytes_per_uid, QUOTA_EXCEEDED at once
+ *   in-flight quota   clients.max_inflight_bytes_per_uid, BUSY (retryable) at once
  *   slot ownership    per connection (every slot method refused to another
  *                     connection), per uid with slots_persist (shared by a
  *                     uid's connections, refused to other uids; the slot quota
@@ -433,14 +433,14 @@ static void test_inflight_bytes_quota(void **unused)
 
     /* refused at once, while the first two are admitted; the small health
      * request after it still fits */
-    dh_expect_error(&c, id3, KP_E_QUOTA_EXCEEDED, "above clients.max_inflight_bytes_per_uid");
+    dh_expect_error(&c, id3, KP_E_BUSY, "above clients.max_inflight_bytes_per_uid");
     dh_expect_result(&c, id4);
     assert_int_equal(dh_recv_prefill(&c, id1, &s, NULL), 6);
     assert_int_equal(dh_recv_prefill(&c, id2, &s, NULL), 6);
     /* answered requests give their bytes back */
     id3 = dh_send_prefill(&c, "L", a, &s, 6);
     assert_int_equal(dh_recv_prefill(&c, id3, &s, NULL), 12);
-    assert_int_equal(stats_counter(&c, false, "QUOTA_EXCEEDED"), 1);
+    assert_int_equal(stats_counter(&c, false, "BUSY"), 1);
     dh_seq_free(&s);
     dh_close(&c);
     dh_stop(&d);
