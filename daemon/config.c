@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <yaml.h>
 
@@ -96,6 +97,7 @@ static const key_spec schema[] = {
     U32("clients.max_connections_per_uid", max_connections_per_uid, 1, 1u << 20),
     SIZE("clients.max_inflight_bytes_per_uid", OFF(max_inflight_bytes_per_uid),
          KP_HELLO_MAX_FRAME_BYTES, 1ull << 44),
+    SIZE("clients.max_inflight_bytes_total", OFF(max_inflight_bytes_total), 0, 1ull << 46),
     SIZE("clients.output_hard_limit", OFF(output_hard_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     SIZE("clients.output_soft_limit", OFF(output_soft_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     U32("clients.output_soft_seconds", output_soft_seconds, 1, 86400),
@@ -639,6 +641,17 @@ static int check(kd_config *c, cerr *e)
                        "clients.max_inflight_bytes_per_uid", "%llu is below "
                        "limits.max_frame_bytes %llu: a frame of the largest size could never "
                        "be admitted", (unsigned long long)c->max_inflight_bytes_per_uid,
+                       (unsigned long long)c->limits.max_frame_bytes);
+    if (c->max_inflight_bytes_total == 0) {   /* half of the machine's memory */
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        c->max_inflight_bytes_total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2
+                                                            : KD_FALLBACK_MAX_INFLIGHT_BYTES_TOTAL;
+    }
+    if (c->max_inflight_bytes_total < c->limits.max_frame_bytes)
+        return fail_at(e, mark_of(c, "clients.max_inflight_bytes_total"),
+                       "clients.max_inflight_bytes_total", "%llu is below "
+                       "limits.max_frame_bytes %llu: a frame of the largest size could never "
+                       "be admitted", (unsigned long long)c->max_inflight_bytes_total,
                        (unsigned long long)c->limits.max_frame_bytes);
     if (c->output_soft_limit > c->output_hard_limit)
         return fail_at(e, mark_of(c, "clients.output_soft_limit"), "clients.output_soft_limit",

@@ -83,6 +83,7 @@ typedef struct kd_config {
     uint32_t max_connections;
     uint32_t max_connections_per_uid;     /* quota.h */
     uint64_t max_inflight_bytes_per_uid;  /* unanswered request frame bytes; quota.h */
+    uint64_t max_inflight_bytes_total;    /* the same, all uids; 0 in the file = half the RAM */
     uint64_t output_hard_limit;
     uint64_t output_soft_limit;
     uint32_t output_soft_seconds;

@@ -28,6 +28,8 @@
 #define KD_DEFAULT_MAX_CONNECTIONS 1024u         /* clients.max_connections */
 #define KD_DEFAULT_MAX_CONNECTIONS_PER_UID 256u  /* clients.max_connections_per_uid */
 #define KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID (4ull << 30) /* clients.max_inflight_bytes_per_uid */
+#define KD_FALLBACK_MAX_INFLIGHT_BYTES_TOTAL (8ull << 30) /* clients.max_inflight_bytes_total = 0 when
+                                                              the machine's memory cannot be read */
 #define KD_DEFAULT_OUTPUT_HARD_LIMIT (1ull << 30) /* clients.output_hard_limit: unread bytes that close at once */
 #define KD_DEFAULT_OUTPUT_SOFT_LIMIT (512ull << 20) /* clients.output_soft_limit */
 #define KD_DEFAULT_OUTPUT_SOFT_SECONDS 10u       /* clients.output_soft_seconds: time above the soft limit */

@@ -585,7 +585,7 @@ void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_n
      * (finish() gives them back); a decoding error takes precedence. */
     kp_error qe;
     if (kd_quota_charge(&c->d->quota, c->peer.uid, len, c->d->cfg.max_inflight_bytes_per_uid,
-                        &qe) != KP_OK && rc == KP_OK) {
+                        c->d->cfg.max_inflight_bytes_total, &qe) != KP_OK && rc == KP_OK) {
         rc = qe.code;
         e = qe;
     }

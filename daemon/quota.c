@@ -70,18 +70,24 @@ void kd_quota_disconnect(kd_quota *q, uid_t uid)
     prune(q, u);
 }
 
-int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max, kp_error *err)
+int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max_uid, uint64_t max_total,
+                    kp_error *err)
 {
     kd_uid_use *u = find(q, uid);
     if (!u)
         return kp_fail(err, KP_E_INTERNAL, "uid %u charged without a connection",
                        (unsigned)uid);
     u->inflight_bytes += bytes;
-    if (u->inflight_bytes > max)
+    q->inflight_bytes += bytes;
+    if (u->inflight_bytes > max_uid)
         return kp_fail(err, KP_E_BUSY, "uid %u would hold %llu bytes of unanswered "
                        "requests, above clients.max_inflight_bytes_per_uid %llu; wait for "
                        "responses", (unsigned)uid, (unsigned long long)u->inflight_bytes,
-                       (unsigned long long)max);
+                       (unsigned long long)max_uid);
+    if (q->inflight_bytes > max_total)
+        return kp_fail(err, KP_E_BUSY, "the daemon would hold %llu bytes of unanswered "
+                       "requests, above clients.max_inflight_bytes_total %llu; retry later",
+                       (unsigned long long)q->inflight_bytes, (unsigned long long)max_total);
     return KP_OK;
 }
 
@@ -90,6 +96,8 @@ void kd_quota_refund(kd_quota *q, uid_t uid, uint64_t bytes)
     kd_uid_use *u = find(q, uid);
     if (!u)
         return;
-    u->inflight_bytes -= bytes < u->inflight_bytes ? bytes : u->inflight_bytes;
+    const uint64_t back = bytes < u->inflight_bytes ? bytes : u->inflight_bytes;
+    u->inflight_bytes -= back;
+    q->inflight_bytes -= back;
     prune(q, u);
 }

@@ -1,7 +1,8 @@
 /*
  * quota.h - what each uid holds across all its connections, against the
  * per-uid quotas: open connections (clients.max_connections_per_uid) and
- * request frame bytes not answered yet (clients.max_inflight_bytes_per_uid).
+ * request frame bytes not answered yet (clients.max_inflight_bytes_per_uid), and
+ * those bytes of all uids together (clients.max_inflight_bytes_total).
  *
  * The per-connection and per-owner quotas live with what they count: slots
  * in pool.c (limits.max_slots_per_client, per owner), regions in region.c
@@ -29,6 +30,7 @@ typedef struct kd_uid_use {
 typedef struct kd_quota {
     kd_uid_use *v;
     uint32_t n, cap;
+    uint64_t inflight_bytes;  /* all uids together */
 } kd_quota;
 
 void kd_quota_init(kd_quota *q);
@@ -47,9 +49,11 @@ void kd_quota_disconnect(kd_quota *q, uid_t uid);
  * Charges a request frame of `bytes` to uid, which has a connection open.
  * The charge always stands (kd_quota_refund gives it back when the request
  * is answered); KP_E_BUSY (retryable: answers give the bytes back) says that
- * uid's unanswered frames now exceed `max`, and the request must be refused.
+ * uid's unanswered frames now exceed `max_uid`, or all uids' together exceed
+ * `max_total`, and the request must be refused.
  */
-int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max, kp_error *err);
+int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max_uid, uint64_t max_total,
+                    kp_error *err);
 void kd_quota_refund(kd_quota *q, uid_t uid, uint64_t bytes);
 
 #endif /* KDAD_QUOTA_H */

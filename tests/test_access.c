@@ -13,7 +13,8 @@
  *   access lists      uid, primary gid, supplementary groups (SO_PEERGROUPS),
  *                     names in the lists, the refusal and its log line, SIGHUP
  *   connection quota  clients.max_connections_per_uid, per uid
- *   in-flight quota   clients.max_inflight_bytes_per_uid, BUSY (retryable) at once
+ *   in-flight quota   clients.max_inflight_bytes_per_uid and _total, BUSY
+ *                     (retryable) at once
  *   slot ownership    per connection (every slot method refused to another
  *                     connection), per uid with slots_persist (shared by a
  *                     uid's connections, refused to other uids; the slot quota
@@ -398,9 +399,10 @@ static void test_connection_quota(void **unused)
     dh_stop(&d);
 }
 
-/* clients.max_inflight_bytes_per_uid: a request that would take the uid's
- * unanswered bytes beyond it is refused at once; the others run. */
-static void test_inflight_bytes_quota(void **unused)
+/* A quota on unanswered request bytes (the `clients` section given): a request
+ * that would go beyond it is refused at once, BUSY naming the quota; the
+ * others run, and answers give the bytes back. */
+static void inflight_bytes_refused(const char *clients, const char *quota_name)
 {
     dh_daemon d;
     dh_client c;
@@ -410,8 +412,10 @@ static void test_inflight_bytes_quota(void **unused)
     rng_seed(&r, 7);
     dh_layer_make(&l, &r);
     dh_seq_make(&s, &r, 6); /* a frame of about 24.6 KB: two fit in 64 KiB, three do not */
-    start(&d, "limits:\n  max_frame_bytes: 64KiB\n  max_inline_bytes: 64KiB\n"
-              "clients:\n  max_inflight_bytes_per_uid: 64KiB\n");
+    char yaml[256];
+    snprintf(yaml, sizeof(yaml), "limits:\n  max_frame_bytes: 64KiB\n  max_inline_bytes: 64KiB\n%s",
+             clients);
+    start(&d, yaml);
     dh_connect(&c, &d);
     dh_hello(&c);
     dh_register_layer(&c, "L", &l);
@@ -433,7 +437,7 @@ static void test_inflight_bytes_quota(void **unused)
 
     /* refused at once, while the first two are admitted; the small health
      * request after it still fits */
-    dh_expect_error(&c, id3, KP_E_BUSY, "above clients.max_inflight_bytes_per_uid");
+    dh_expect_error(&c, id3, KP_E_BUSY, quota_name);
     dh_expect_result(&c, id4);
     assert_int_equal(dh_recv_prefill(&c, id1, &s, NULL), 6);
     assert_int_equal(dh_recv_prefill(&c, id2, &s, NULL), 6);
@@ -444,6 +448,21 @@ static void test_inflight_bytes_quota(void **unused)
     dh_seq_free(&s);
     dh_close(&c);
     dh_stop(&d);
+}
+
+/* clients.max_inflight_bytes_per_uid: one uid's unanswered bytes. */
+static void test_inflight_bytes_quota(void **unused)
+{
+    inflight_bytes_refused("clients:\n  max_inflight_bytes_per_uid: 64KiB\n",
+                           "above clients.max_inflight_bytes_per_uid");
+}
+
+/* clients.max_inflight_bytes_total: all uids' together (here below the uid's own). */
+static void test_inflight_bytes_total(void **unused)
+{
+    inflight_bytes_refused("clients:\n  max_inflight_bytes_per_uid: 1MiB\n"
+                           "  max_inflight_bytes_total: 64KiB\n",
+                           "above clients.max_inflight_bytes_total");
 }
 
 /* Without slots_persist a slot belongs to its connection: every method that
@@ -565,6 +584,7 @@ int main(void)
         cmocka_unit_test_teardown(test_access_lists, dh_teardown),
         cmocka_unit_test_teardown(test_connection_quota, dh_teardown),
         cmocka_unit_test_teardown(test_inflight_bytes_quota, dh_teardown),
+        cmocka_unit_test_teardown(test_inflight_bytes_total, dh_teardown),
         cmocka_unit_test_teardown(test_slots_belong_to_their_connection, dh_teardown),
         cmocka_unit_test_teardown(test_slots_belong_to_their_uid, dh_teardown),
     };

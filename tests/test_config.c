@@ -71,6 +71,9 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
     assert_int_equal(c.max_connections_per_uid, KD_DEFAULT_MAX_CONNECTIONS_PER_UID);
     assert_int_equal(c.max_inflight_bytes_per_uid, KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID);
+    /* 0 in the file: half of the machine's memory */
+    const uint64_t half_ram = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) / 2;
+    assert_true(c.max_inflight_bytes_total == half_ram);
     assert_int_equal(c.output_hard_limit, KD_DEFAULT_OUTPUT_HARD_LIMIT);
     assert_int_equal(c.output_soft_limit, KD_DEFAULT_OUTPUT_SOFT_LIMIT);
     assert_int_equal(c.output_soft_seconds, KD_DEFAULT_OUTPUT_SOFT_SECONDS);
@@ -91,7 +94,7 @@ static void test_builtin_default(void **unused)
         "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
         "max_inflight_bytes:", "max_layers:", "batching:", "graph_buckets:",
         "max_queued_requests:", "spin_us:", "clients:", "max_connections:", "max_connections_per_uid:",
-        "max_inflight_bytes_per_uid:", "output_hard_limit:",
+        "max_inflight_bytes_per_uid:", "max_inflight_bytes_total:", "output_hard_limit:",
         "output_soft_limit:", "output_soft_seconds:", "transports:", "shm:", "cuda_ipc:",
         "layers:", "lower_bound:", "scale:", "A_log:", "dt_bias:", "file:", "log:", "level:",
         "metrics:", "prometheus_file:", "interval_ms:", "drain_timeout_ms:"};
@@ -173,6 +176,10 @@ static void test_bad_values_name_the_place(void **unused)
             "t.yaml:2:21: access.allowed_uids: no user \"no-such-user.kdad\" on this system");
     refused("access:\n  allowed_gids: [no-such-group.kdad]\n",
             "t.yaml:2:18: access.allowed_gids: no group \"no-such-group.kdad\" on this system");
+    refused("clients:\n  max_inflight_bytes_total: 64MiB\n",
+            "t.yaml:2:29: clients.max_inflight_bytes_total: 67108864 is below "
+            "limits.max_frame_bytes 268435456: a frame of the largest size could never be "
+            "admitted");
     refused("clients:\n  max_inflight_bytes_per_uid: 64MiB\n",
             "t.yaml:2:31: clients.max_inflight_bytes_per_uid: 67108864 is below "
             "limits.max_frame_bytes 268435456: a frame of the largest size could never be "
