@@ -636,23 +636,23 @@ static int check(kd_config *c, cerr *e)
         return fail_at(e, mark_of(c, "clients.output_hard_limit"), "clients.output_hard_limit",
                        "%llu is below limits.max_frame_bytes + 4: one response could never be "
                        "sent", (unsigned long long)c->output_hard_limit);
-    if (c->max_inflight_bytes_per_uid < c->limits.max_frame_bytes)
-        return fail_at(e, mark_of(c, "clients.max_inflight_bytes_per_uid"),
-                       "clients.max_inflight_bytes_per_uid", "%llu is below "
-                       "limits.max_frame_bytes %llu: a frame of the largest size could never "
-                       "be admitted", (unsigned long long)c->max_inflight_bytes_per_uid,
-                       (unsigned long long)c->limits.max_frame_bytes);
     if (c->max_inflight_bytes_total == 0) {   /* half of the machine's memory */
         long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
         c->max_inflight_bytes_total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2
                                                             : KD_FALLBACK_MAX_INFLIGHT_BYTES_TOTAL;
     }
-    if (c->max_inflight_bytes_total < c->limits.max_frame_bytes)
-        return fail_at(e, mark_of(c, "clients.max_inflight_bytes_total"),
-                       "clients.max_inflight_bytes_total", "%llu is below "
-                       "limits.max_frame_bytes %llu: a frame of the largest size could never "
-                       "be admitted", (unsigned long long)c->max_inflight_bytes_total,
-                       (unsigned long long)c->limits.max_frame_bytes);
+    /* the quotas on unanswered bytes must admit one frame of the largest size */
+    const struct { const char *key; uint64_t value; } quotas[] = {
+        {"clients.max_inflight_bytes_per_uid", c->max_inflight_bytes_per_uid},
+        {"clients.max_inflight_bytes_total", c->max_inflight_bytes_total},
+    };
+    for (size_t i = 0; i < sizeof(quotas) / sizeof(quotas[0]); i++) {
+        if (quotas[i].value < c->limits.max_frame_bytes)
+            return fail_at(e, mark_of(c, quotas[i].key), quotas[i].key, "%llu is below "
+                           "limits.max_frame_bytes %llu: a frame of the largest size could never "
+                           "be admitted", (unsigned long long)quotas[i].value,
+                           (unsigned long long)c->limits.max_frame_bytes);
+    }
     if (c->output_soft_limit > c->output_hard_limit)
         return fail_at(e, mark_of(c, "clients.output_soft_limit"), "clients.output_soft_limit",
                        "%llu is above clients.output_hard_limit %llu",
