@@ -372,6 +372,18 @@ void dh_send_fd(dh_client *c, int fd)
     free(frame);
 }
 
+/* Makes body (a frame's bytes, now owned by c) the current message. */
+static void take_frame(dh_client *c, uint8_t *body, size_t len)
+{
+    kp_msg_close(&c->msg);
+    free(c->body);
+    c->body = body;
+    c->body_len = len;
+    kp_error e;
+    if (kp_msg_decode(&c->msg, c->body, c->body_len, UINT32_MAX, &e) != KP_OK)
+        fail_msg("undecodable frame from kdad: %s", e.message);
+}
+
 bool dh_recv(dh_client *c)
 {
     kp_msg_close(&c->msg);
@@ -396,24 +408,10 @@ bool dh_recv(dh_client *c)
         if (rc == KP_READ_FRAME)
             break;
     }
-    c->body = kp_reader_take(&c->reader, &c->body_len);
-    kp_error e;
-    int rc = kp_msg_decode(&c->msg, c->body, c->body_len, UINT32_MAX, &e);
-    if (rc != KP_OK)
-        fail_msg("undecodable frame from kdad: %s", e.message);
+    size_t len;
+    uint8_t *body = kp_reader_take(&c->reader, &len);
+    take_frame(c, body, len);
     return true;
-}
-
-/* Makes body (a frame's bytes, now owned by c) the current message. */
-static void take_frame(dh_client *c, uint8_t *body, size_t len)
-{
-    kp_msg_close(&c->msg);
-    free(c->body);
-    c->body = body;
-    c->body_len = len;
-    kp_error e;
-    if (kp_msg_decode(&c->msg, c->body, c->body_len, UINT32_MAX, &e) != KP_OK)
-        fail_msg("undecodable frame from kdad: %s", e.message);
 }
 
 void dh_recv_response(dh_client *c, uint32_t id)
@@ -437,7 +435,6 @@ void dh_recv_response(dh_client *c, uint32_t id)
         c->held[c->nheld].len = c->body_len;
         c->held[c->nheld++].id = c->msg.id;
         kp_msg_close(&c->msg);
-        kp_msg_init(&c->msg);
         c->body = NULL;
     }
 }

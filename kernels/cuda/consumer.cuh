@@ -34,15 +34,13 @@ struct ConsumerLane {
     int col;    /* within each 8-column tile: columns col, col + 1 */
 };
 
-
 /* Builds the A fragments (bf16) of one 16-column K slice from an fp32 accumulator. */
-__device__ __forceinline__ void acc_to_a(const float *acc16x16, float s0, float s1, float s2, float s3,
-                                         uint32_t (&a)[4])
+__device__ __forceinline__ void acc_to_a(const float *acc16x16, uint32_t (&a)[4])
 {
-    a[0] = pack_bf16x2(acc16x16[0] * s0, acc16x16[1] * s1);
-    a[1] = pack_bf16x2(acc16x16[2] * s0, acc16x16[3] * s1);
-    a[2] = pack_bf16x2(acc16x16[4] * s2, acc16x16[5] * s3);
-    a[3] = pack_bf16x2(acc16x16[6] * s2, acc16x16[7] * s3);
+    a[0] = pack_bf16x2(acc16x16[0], acc16x16[1]);
+    a[1] = pack_bf16x2(acc16x16[2], acc16x16[3]);
+    a[2] = pack_bf16x2(acc16x16[4], acc16x16[5]);
+    a[3] = pack_bf16x2(acc16x16[6], acc16x16[7]);
 }
 
 /* S = S diag(f): this thread's 64 state values times the factors of their columns (key dims). */
@@ -148,7 +146,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         uint32_t a1[D / 16][4];
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++)
-            acc_to_a(&acc[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a1[ks]);
+            acc_to_a(&acc[8 * ks], a1[ks]);
         fence_operands(pq);
         wgmma_fence();
         const uint64_t kq_desc = sw128_desc(st.kq.data);
@@ -186,7 +184,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         uint32_t a3[C / 16][4];
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++)
-            acc_to_a(&pq[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a3[ks]);
+            acc_to_a(&pq[8 * ks], a3[ks]);
         fence_operands(u);
         wgmma_fence();
         const uint64_t inv_desc = sw64_desc(st.inv.data);
@@ -205,7 +203,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         uint32_t a4[C / 16][4];
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++)
-            acc_to_a(&u[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a4[ks]);
+            acc_to_a(&u[8 * ks], a4[ks]);
         fence_operands(acc);
         fence_operands(ot);
         wgmma_fence();

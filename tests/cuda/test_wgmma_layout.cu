@@ -91,7 +91,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
         }
         uint32_t a[8][4];
         for (int ks = 0; ks < 8; ks++)
-            acc_to_a(&a_acc[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a[ks]);
+            acc_to_a(&a_acc[8 * ks], a[ks]);
         for (int i = 0; i < 32; i++)
             d[i] = 0.0f;
         fence_operands(d);
@@ -124,7 +124,7 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
         }
         uint32_t a[2][4];
         for (int ks = 0; ks < 2; ks++)
-            acc_to_a(&a_acc[8 * ks], 1.0f, 1.0f, 1.0f, 1.0f, a[ks]);
+            acc_to_a(&a_acc[8 * ks], a[ks]);
         if (which == 1) {
             float d[16];
             for (int i = 0; i < 16; i++) {
