@@ -191,6 +191,7 @@ static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t
 int main(int argc, char **argv)
 {
     int reps = 50;
+    kda_cuda_pairing pairing = KDA_CUDA_PAIRING_AUTO;
     const char *json = nullptr, *only = nullptr;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--reps") && i + 1 < argc)
@@ -199,8 +200,10 @@ int main(int argc, char **argv)
             json = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
             only = argv[++i];
+        else if (!strcmp(argv[i], "--pairing") && i + 1 < argc && !strcmp(argv[i + 1], "off") && ++i)
+            pairing = KDA_CUDA_PAIRING_OFF;
         else {
-            fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME] [--pairing off]\n", argv[0]);
             return 2;
         }
     }
@@ -210,6 +213,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_kernel: %s\n", err.msg);
         return err.code == KDA_ENOTSUP ? 77 : 1;
     }
+    kda_cuda_set_pairing(cu, pairing);
     const size_t flush_bytes = size_t(512) << 20;
     void *flush;
     GPU_CHECK(cudaMalloc(&flush, flush_bytes));
@@ -219,8 +223,10 @@ int main(int argc, char **argv)
         if (!only || w.name == only)
             results.push_back(run(w, cu, reps, flush, flush_bytes));
 
-    printf("\nkdad fused KDA kernel on %s (%d SMs), fp32 state pool, median of %d launches, L2 flushed\n",
-           kda_cuda_device_name(cu), kda_cuda_sm_count(cu), reps);
+    printf("\nkdad fused KDA kernel on %s (%d SMs), fp32 state pool, median of %d launches, L2 flushed; "
+           "chains paired (a cluster of two CTAs each) %s\n",
+           kda_cuda_device_name(cu), kda_cuda_sm_count(cu), reps,
+           pairing == KDA_CUDA_PAIRING_OFF ? "never" : "up to the GPU's clusters at once");
     printf("%-20s %9s %9s %11s %9s %9s %9s %9s %9s\n", "workload", "ms", "Mtok/s", "FlashKDA ms", "speedup",
            "floor ms", "% floor", "out err", "state err");
     for (const Result &r : results)

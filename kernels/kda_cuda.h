@@ -58,6 +58,22 @@ int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseq
 int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_seq *seqs_dev,
                      const int32_t *nseqs_dev, int32_t max_seqs, void *stream, kda_error *err);
 
+/*
+ * How chains map to CTAs.  AUTO (the default): when max_seqs x heads chains
+ * fit the clusters the GPU runs at once, each chain runs on a cluster of two
+ * CTAs that share its chunk preparation (paired chains: about twice as fast
+ * per chain); otherwise one CTA per chain.  OFF and ALWAYS force one way
+ * (tests); ALWAYS with more chains than clusters gives each cluster several.
+ */
+typedef enum kda_cuda_pairing {
+    KDA_CUDA_PAIRING_AUTO = 0,
+    KDA_CUDA_PAIRING_OFF,
+    KDA_CUDA_PAIRING_ALWAYS,
+} kda_cuda_pairing;
+void kda_cuda_set_pairing(kda_cuda *cuda, kda_cuda_pairing pairing);
+/* The clusters of paired chains the device runs at once (AUTO pairs up to this many chains). */
+int kda_cuda_paired_clusters(const kda_cuda *cuda);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,7 +2,9 @@
  * consumer.cuh - warpgroups 2 and 3: the serial chain of one (sequence, head).
  *
  * Each consumer warpgroup owns 64 of the state's 128 V rows as an fp32 wgmma
- * accumulator, resident in registers for the whole sequence.  In the layout
+ * accumulator, resident in registers for the whole sequence (paired chains:
+ * the one consumer warpgroup of each CTA of the cluster owns the half of the
+ * CTA's rank).  In the layout
  * of a 64 x N accumulator, warp w holds rows 16w + g and 16w + g + 8
  * (g = lane / 4) and, per 8-column tile n, columns 8n + 2(lane % 4) + {0, 1}.
  *
@@ -99,6 +101,8 @@ __device__ __forceinline__ void store_state(const float (&acc)[64], const kda_fw
     }
 }
 
+/* Consumer of state half `wg` (V rows 64 wg ..), thread `tid` of it. */
+template <bool PAIRED>
 __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_params &p, int wg, int tid)
 {
     const int warp = tid >> 5, lane = tid & 31;
@@ -124,10 +128,11 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
     for (int i = 0; i < 16; i++)
         u[i] = 0.0f;
 
+    constexpr uint32_t STAGES = prep_stages(PAIRED);
     PROF_START(wg == 0 && tid == 0);
     for (uint32_t n = 0;; n++) {
-        PrepStage &st = sm.prep[n % PREP_STAGES];
-        mbar_wait(&sm.full[n % PREP_STAGES], (n / PREP_STAGES) & 1);
+        PrepStage &st = sm.prep[n % STAGES];
+        mbar_wait<PAIRED>(&sm.full[n % STAGES], (n / STAGES) & 1);
         PROF_MARK(PROF_C_FULLWAIT);
         const ChunkHeader hdr = st.hdr;
         if (hdr.flags & CHUNK_END)
@@ -207,10 +212,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         fence_operands(acc);
         fence_operands(ot);
         wgmma_fence();
-        const uint64_t ki_desc = sw128_nmajor_desc(st.kiq.data, st.kiq.BLOCK_BYTES), mqk_desc = sw64_desc(st.mqk.data);
+        const uint64_t ki_desc = sw128_nmajor_desc(st.ki.data, st.ki.BLOCK_BYTES), mqk_desc = sw64_desc(st.mqk.data);
 #pragma unroll
         for (int ks = 0; ks < C / 16; ks++) {
-            wgmma_m64n128k16_rs_nmajor(acc, a4[ks], desc_advance(ki_desc, st.kiq.nmajor_kslice_offset(ks)), 1);
+            wgmma_m64n128k16_rs_nmajor(acc, a4[ks], desc_advance(ki_desc, st.ki.nmajor_kslice_offset(ks)), 1);
             wgmma_m64n32k16_rs(ot, a4[ks], desc_advance(mqk_desc, st.mqk.kslice_offset(ks)), 1);
         }
         wgmma_commit();
@@ -244,7 +249,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
                 *reinterpret_cast<uint4 *>(out + (hdr.t0 + i) * stride + int64_t(hdr.head) * D + col) =
                     *reinterpret_cast<const uint4 *>(st.v.at(i, col));
         }
-        mbar_arrive(&sm.empty[n % PREP_STAGES]);    /* every read of this stage is done */
+        uint64_t *empty = &sm.empty[n % STAGES];
+        mbar_arrive(empty);                         /* every read of this stage is done */
+        if (PAIRED)                                 /* the peer's producers write into both CTAs' stage */
+            mbar_arrive_cluster(cluster_addr(empty, cluster_rank() ^ 1), 1);
         if (hdr.flags & CHUNK_LAST)
             store_state(acc, p, slot, hdr.head, ln);
         PROF_MARK(PROF_C_EPILOGUE);

@@ -14,6 +14,8 @@
 struct kda_cuda {
     int device;
     int sm_count;
+    int paired_clusters;         /* clusters of paired chains that run at once */
+    kda_cuda_pairing pairing;
     char name[256];
     kda_sched_counters *sched;   /* device memory, zeroed once; the kernel resets it */
 };
@@ -51,6 +53,10 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
         return kda_fail(err, KDA_ENOMEM, "no memory for the CUDA backend");
     cuda->device = device;
     cuda->sm_count = prop.multiProcessorCount;
+    if ((e = kda_fwd_max_paired_clusters(&cuda->paired_clusters)) != cudaSuccess) {
+        free(cuda);
+        return cuda_fail(err, e, "cudaOccupancyMaxActiveClusters");
+    }
     snprintf(cuda->name, sizeof cuda->name, "%s", prop.name);
     if ((e = cudaMalloc(&cuda->sched, sizeof *cuda->sched)) != cudaSuccess ||
         (e = cudaMemset(cuda->sched, 0, sizeof *cuda->sched)) != cudaSuccess ||
@@ -73,6 +79,8 @@ extern "C" void kda_cuda_destroy(kda_cuda *cuda)
 
 extern "C" const char *kda_cuda_device_name(const kda_cuda *cuda) { return cuda->name; }
 extern "C" int kda_cuda_sm_count(const kda_cuda *cuda) { return cuda->sm_count; }
+extern "C" int kda_cuda_paired_clusters(const kda_cuda *cuda) { return cuda->paired_clusters; }
+extern "C" void kda_cuda_set_pairing(kda_cuda *cuda, kda_cuda_pairing pairing) { cuda->pairing = pairing; }
 
 extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err)
 {
@@ -111,7 +119,13 @@ extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_
     p.state_is_bf16 = pool->dtype == KDA_DTYPE_BF16;
     p.sched = cuda->sched;
     const int64_t items = (int64_t)max_seqs * pool->heads;
-    const int grid = items < cuda->sm_count ? (int)items : cuda->sm_count;
-    cudaError_t e = kda_fwd_launch(p, grid, static_cast<cudaStream_t>(stream));
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool paired = cuda->paired_clusters > 0 && cuda->pairing != KDA_CUDA_PAIRING_OFF &&
+                        (cuda->pairing == KDA_CUDA_PAIRING_ALWAYS || items <= cuda->paired_clusters);
+    cudaError_t e;
+    if (paired)
+        e = kda_fwd_launch_paired(p, items < cuda->paired_clusters ? (int)items : cuda->paired_clusters, s);
+    else
+        e = kda_fwd_launch(p, items < cuda->sm_count ? (int)items : cuda->sm_count, s);
     return e == cudaSuccess ? KDA_OK : cuda_fail(err, e, "launching the KDA kernel");
 }

@@ -10,11 +10,15 @@
 #include "params.h"
 
 size_t kda_fwd_smem_bytes();
-int kda_fwd_threads();
-/* Raises the kernel's dynamic shared-memory limit; once per device. */
+/* Raises the kernels' dynamic shared-memory limit; once per device. */
 cudaError_t kda_fwd_set_attributes();
-/* Enqueues the kernel; grid = number of persistent CTAs. */
-cudaError_t kda_fwd_launch(const kda_fwd_params &p, int grid, cudaStream_t stream);
+/* How many clusters of paired chains the device runs at once. */
+cudaError_t kda_fwd_max_paired_clusters(int *clusters);
+/* Enqueues the kernel with one CTA per chain: `ctas` persistent CTAs sharing the work. */
+cudaError_t kda_fwd_launch(const kda_fwd_params &p, int ctas, cudaStream_t stream);
+/* Enqueues the kernel with paired chains: `clusters` clusters of two CTAs, cluster c taking
+   items c, c + clusters, ... */
+cudaError_t kda_fwd_launch_paired(const kda_fwd_params &p, int clusters, cudaStream_t stream);
 
 #ifdef KDA_PROFILE
 /* Per-phase cycle totals of CTA 0 (profile.cuh), optionally zeroed after reading. */

@@ -5,7 +5,11 @@
  * Warpgroup w prepares chunks w, w + 2, w + 4, ... of the CTA's sequence of
  * chunks, each into prepared stage n % 3.  The two run about a chunk apart,
  * so the latency of one's phases hides behind the other's work; they share
- * only the load cursor, which their thread 0s advance in turns.
+ * only the load cursor, which their thread 0s advance in turns.  Paired
+ * chains (two CTAs of a cluster per chain, each holding half the state):
+ * the four producer warpgroups of the pair prepare every fourth chunk each,
+ * into stage n % 4, and each prepared stage is bulk-copied to the peer
+ * CTA's same stage.
  *
  * Per chunk n (C = 32 tokens of one (sequence, head)), with c the gate prefix
  * sum at the chunk's middle token (per key dim) so every exponent below stays
@@ -18,10 +22,11 @@
  *            straight into the stage's value tile
  *   gates    G_t = sum_{s<=t} lower_bound * sigmoid(e^A_log (g_sd + dt_bias_d)),
  *            within the thread's quarter, in log2 units, in registers
- *   tiles    kd = k e^(G-c), qd = q e^(G-c), ki = k e^(c-G), qi = q e^(c-G),
- *            e^c, e^(G_last - c)  (raw q, k: no norms yet)
- *   L, Mqk   [kd; qd] . [ki; qi]^T by wgmma (64 x 64 x 128).  Its diagonal
- *            is |k_t|^2 and |q_t|^2 (the gates cancel), which gives the norms;
+ *   tiles    kd = k e^(G-c), qd = q e^(G-c), ki = k e^(c-G), e^c,
+ *            e^(G_last - c) (raw q, k: no norms yet), and |q_t|^2 by warp
+ *            shuffles
+ *   L, Mqk   [kd; qd] . ki^T by wgmma (64 x 32 x 128).  The diagonal of
+ *            kd ki^T is |k_t|^2 (the gates cancel), which gives the k norms;
  *            L^ = diag(b n^2) strictly_lower(kd ki^T), Mqk = lower_incl(qd ki^T).
  *            While it runs, the raw rows of chunk n + 2 are requested.
  *   inverse  (I + L^)^-1 in fp32: 8 x 8 diagonal blocks by forward
@@ -68,47 +73,33 @@ struct ProducerSync {
     __device__ __forceinline__ void operator()() const { named_barrier_sync(id, WG_THREADS); }
 };
 
-/*
- * Takes the cursor's next chunk (a new work item when the current one is
- * done) and records in `info` its header, layer scalars and where its rows
- * start; with no work left the header says CHUNK_END (and stays so).
- */
-__device__ __forceinline__ void plan_chunk(LoadCursor &cursor, const kda_fwd_params &p, uint32_t nitems,
-                                           ChunkInfo &info)
+/* Points `cur` at the first chunk of item (seq, head). */
+__device__ __forceinline__ void load_item(const kda_fwd_params &p, int32_t seq, int32_t head, LoadCursor &cur)
 {
-    LoadCursor cur = cursor;                       /* in registers: the stores below alias nothing it holds */
-    const bool next_item = cur.seq >= 0 && cur.t0 > 0 && cur.t0 >= cur.len;
-    if (next_item) {                               /* the item is done: take the next */
-        int32_t seq, head;
-        if (sched_fetch(p, nitems, seq, head)) {
-            const kda_seq &s = p.seqs[seq];
-            cur.q = s.q;
-            cur.k = s.k;
-            cur.v = s.v;
-            cur.g = s.g;
-            cur.beta = s.beta;
-            cur.len = s.len;
-            cur.seq = seq;
-            cur.head = head;
-            cur.t0 = 0;
-            if (const kda_layer *layer = s.layer) {
-                cur.dt_bias = layer->dt_bias + head * D;
-                cur.exp_a = expf(layer->A_log[head]);
-                cur.lb2 = layer->lower_bound * LOG2E;
-                cur.scale = layer->scale;
-            } else {   /* a zero-length item (KDA_SEQ_ZERO_STATE only): nothing to compute */
-                cur.dt_bias = nullptr;
-                cur.exp_a = cur.lb2 = cur.scale = 0.0f;
-            }
-        } else {
-            cur.seq = -1;
-        }
+    const kda_seq &s = p.seqs[seq];
+    cur.q = s.q;
+    cur.k = s.k;
+    cur.v = s.v;
+    cur.g = s.g;
+    cur.beta = s.beta;
+    cur.len = s.len;
+    cur.seq = seq;
+    cur.head = head;
+    cur.t0 = 0;
+    if (const kda_layer *layer = s.layer) {
+        cur.dt_bias = layer->dt_bias + head * D;
+        cur.exp_a = expf(layer->A_log[head]);
+        cur.lb2 = layer->lower_bound * LOG2E;
+        cur.scale = layer->scale;
+    } else {   /* a zero-length item (KDA_SEQ_ZERO_STATE only): nothing to compute */
+        cur.dt_bias = nullptr;
+        cur.exp_a = cur.lb2 = cur.scale = 0.0f;
     }
-    if (cur.seq < 0) {
-        info.hdr = ChunkHeader{-1, -1, 0, 0, CHUNK_END};
-        cursor.seq = -1;
-        return;
-    }
+}
+
+/* Records in `info` the chunk of cur's item that starts at cur.t0: its header, layer scalars and rows. */
+__device__ __forceinline__ void describe_chunk(const LoadCursor &cur, const kda_fwd_params &p, ChunkInfo &info)
+{
     const int64_t left = cur.len - cur.t0, first = (cur.t0 * int64_t(p.heads) + cur.head) * D;
     info.hdr = ChunkHeader{cur.seq, cur.head, cur.t0, int32_t(left < C ? left : C),
                            (cur.t0 == 0 ? CHUNK_FIRST : 0u) | (left <= C ? CHUNK_LAST : 0u)};
@@ -121,11 +112,73 @@ __device__ __forceinline__ void plan_chunk(LoadCursor &cursor, const kda_fwd_par
     info.src[3] = cur.v + first;
     info.beta_src = cur.beta + cur.t0 * int64_t(p.heads) + cur.head;
     info.dt_bias_src = cur.dt_bias;
+}
+
+/*
+ * Takes the cursor's next chunk (a new work item when the current one is
+ * done) and records it in `info`; with no work left the header says
+ * CHUNK_END (and stays so).
+ */
+__device__ __forceinline__ void plan_chunk(LoadCursor &cursor, const kda_fwd_params &p, uint32_t nitems,
+                                           ChunkInfo &info)
+{
+    LoadCursor cur = cursor;                       /* in registers: the stores below alias nothing it holds */
+    const bool next_item = cur.seq >= 0 && cur.t0 > 0 && cur.t0 >= cur.len;
+    if (next_item) {                               /* the item is done: take the next */
+        int32_t seq, head;
+        if (sched_fetch(p, nitems, seq, head))
+            load_item(p, seq, head, cur);
+        else
+            cur.seq = -1;
+    }
+    if (cur.seq < 0) {
+        info.hdr = ChunkHeader{-1, -1, 0, 0, CHUNK_END};
+        cursor.seq = -1;
+        return;
+    }
+    describe_chunk(cur, p, info);
     cur.t0 += C;
     if (next_item)
         cursor = cur;
     else
         cursor.t0 = cur.t0;
+}
+
+/* Paired chains: moves `walk` to item `item` (past the last: seq < 0). */
+__device__ __forceinline__ void walk_to(ChainWalk &walk, const kda_fwd_params &p, uint32_t nitems, uint32_t item)
+{
+    walk.item = item;
+    walk.chunks = 0;
+    walk.cur.seq = -1;
+    if (item >= nitems)
+        return;
+    const int32_t seq = int32_t(item / uint32_t(p.heads)), head = int32_t(item % uint32_t(p.heads));
+    const kda_seq &s = p.seqs[seq];
+    load_item(p, seq, head, walk.cur);
+    if (seq_has_work(s))
+        walk.chunks = s.len > 0 ? int32_t((s.len + C - 1) / C) : 1;
+}
+
+/*
+ * Paired chains: records in `info` chunk n of the cluster's sequence of
+ * chunks (its items cluster, cluster + clusters, ..., in order), which every
+ * producer warpgroup of both CTAs walks on its own: no shared cursor, no
+ * counter.  Chunk n = the number of all chunks is the END chunk; later ones
+ * are CHUNK_PAST_END.
+ */
+__device__ __forceinline__ void plan_paired(ChainWalk &walk, const kda_fwd_params &p, uint32_t nitems,
+                                            uint32_t clusters, int32_t n, ChunkInfo &info)
+{
+    while (walk.cur.seq >= 0 && n >= walk.first + walk.chunks) {
+        walk.first += walk.chunks;
+        walk_to(walk, p, nitems, walk.item + clusters);
+    }
+    if (walk.cur.seq < 0) {
+        info.hdr = ChunkHeader{-1, -1, 0, 0, CHUNK_END | (n > walk.first ? CHUNK_PAST_END : 0u)};
+        return;
+    }
+    walk.cur.t0 = (n - walk.first) * C;
+    describe_chunk(walk.cur, p, info);
 }
 
 /*
@@ -206,6 +259,29 @@ __device__ __forceinline__ void store_beta(ChunkInfo &info, uint32_t beta, int l
 }
 
 /*
+ * scale / |q_t| for the warp's eight tokens from the lanes' parts (four dims
+ * each): a transposing butterfly, in which each exchange halves the tokens a
+ * lane still carries (9 shuffles instead of 8 x 5), leaves the sum of token
+ * (lane / 4) % 8 in every lane; lanes 4i store token i.
+ */
+__device__ __forceinline__ void store_q_norms(const float (&part)[QUARTER], float scale, float *out_scale, int lane)
+{
+    float w[4], x[2];
+    const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+#pragma unroll
+    for (int i = 0; i < 4; i++)                    /* lanes with bit 4 keep tokens 4..7, the others 0..3 */
+        w[i] = (b4 ? part[i + 4] : part[i]) + __shfl_xor_sync(0xffffffffu, b4 ? part[i] : part[i + 4], 16);
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        x[i] = (b3 ? w[i + 2] : w[i]) + __shfl_xor_sync(0xffffffffu, b3 ? w[i] : w[i + 2], 8);
+    float y = (b2 ? x[1] : x[0]) + __shfl_xor_sync(0xffffffffu, b2 ? x[0] : x[1], 4);
+    y += __shfl_xor_sync(0xffffffffu, y, 2);
+    y += __shfl_xor_sync(0xffffffffu, y, 1);
+    if ((lane & 3) == 0)
+        out_scale[lane >> 2] = scale * rsqrtf(y + KDA_NORM_EPS);
+}
+
+/*
  * Gates and tiles: thread = four key dims (lane) x one quarter chunk (warp),
  * so every load and store moves four elements.  The thread's gate prefix sums
  * stay in registers between the pass that sums the gates and the pass that
@@ -258,6 +334,7 @@ __device__ __forceinline__ void prepare_tiles(ProducerArea &area, const ChunkInf
             make_float4(fast_exp2(tot[2].x + tot[3].x), fast_exp2(tot[2].y + tot[3].y),
                         fast_exp2(tot[2].z + tot[3].z), fast_exp2(tot[2].w + tot[3].w));
     const float sh[4] = {shift.x, shift.y, shift.z, shift.w};
+    float qq[QUARTER];                             /* this thread's part of |q_t|^2 (its four dims) */
 
 #pragma unroll
     for (int e = 0; e < QUARTER; e++) {
@@ -273,39 +350,40 @@ __device__ __forceinline__ void prepare_tiles(ProducerArea &area, const ChunkInf
             up[j] = fast_exp2(G[e][j] + sh[j]);    /* e^(G-c) */
             dn[j] = fast_rcp(up[j]);               /* e^(c-G) */
         }
+        qq[e] = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3];
         *reinterpret_cast<uint2 *>(st.kq.at(t, d)) =
             make_uint2(pack_bf16x2(k[0] * up[0], k[1] * up[1]), pack_bf16x2(k[2] * up[2], k[3] * up[3]));
         *reinterpret_cast<uint2 *>(st.kq.at(C + t, d)) =
             make_uint2(pack_bf16x2(q[0] * up[0], q[1] * up[1]), pack_bf16x2(q[2] * up[2], q[3] * up[3]));
-        *reinterpret_cast<uint2 *>(st.kiq.at(t, d)) =
+        *reinterpret_cast<uint2 *>(st.ki.at(t, d)) =
             make_uint2(pack_bf16x2(k[0] * dn[0], k[1] * dn[1]), pack_bf16x2(k[2] * dn[2], k[3] * dn[3]));
-        *reinterpret_cast<uint2 *>(st.kiq.at(C + t, d)) =
-            make_uint2(pack_bf16x2(q[0] * dn[0], q[1] * dn[1]), pack_bf16x2(q[2] * dn[2], q[3] * dn[3]));
     }
+    store_q_norms(qq, info.scale, st.out_scale + t_begin, tid % 32);
 }
 
 /*
- * [kd; qd] . [ki; qi]^T on the tensor cores; `meanwhile` runs while the
- * wgmma does.  Warp w holds rows 16w + g and 16w + g + 8 (g = lane / 4):
- * warps 0-1 rows of L, warps 2-3 rows of Mqk.  The diagonal element of row r
- * sits in n-tile r / 8, column g of the tile, with lane 4g + g / 2 of the
- * row's quad; a quad shuffle hands it to all four.
+ * [kd; qd] . ki^T on the tensor cores (64 x 32 x 128); `meanwhile` runs while
+ * the wgmma does.  Warp w holds rows 16w + g and 16w + g + 8 (g = lane / 4):
+ * warps 0-1 rows of L (k tokens), warps 2-3 rows of Mqk (q tokens).  Row r of
+ * L has its diagonal element, |k_r|^2 (the gates cancel), in n-tile r / 8,
+ * column g of the tile, with lane 4g + g / 2 of the row's quad; a quad
+ * shuffle hands it to all four.
  */
 template <typename Meanwhile>
 __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo &info, PrepStage &st, int tid,
                                              Meanwhile meanwhile)
 {
-    float lm[32];
+    float lm[16];
 #pragma unroll
-    for (int i = 0; i < 32; i++)
+    for (int i = 0; i < 16; i++)
         lm[i] = 0.0f;
     fence_operands(lm);
     wgmma_fence();
-    const uint64_t kq_desc = sw128_desc(st.kq.data), kiq_desc = sw128_desc(st.kiq.data);
+    const uint64_t kq_desc = sw128_desc(st.kq.data), ki_desc = sw128_desc(st.ki.data);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++)
-        wgmma_m64n64k16_ss(lm, desc_advance(kq_desc, st.kq.kslice_offset(ks)),
-                           desc_advance(kiq_desc, st.kiq.kslice_offset(ks)), ks > 0);
+        wgmma_m64n32k16_ss(lm, desc_advance(kq_desc, st.kq.kslice_offset(ks)),
+                           desc_advance(ki_desc, st.ki.kslice_offset(ks)), ks > 0);
     wgmma_commit();
     meanwhile();
     wgmma_wait<0>();
@@ -313,19 +391,10 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
 
     tid = per_chunk(tid);
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const bool is_mqk = warp >= 2;
 #pragma unroll
     for (int h = 0; h < 2; h++) {                  /* rows g and g + 8 of the warp's 16 */
-        float diag = 0.0f;                         /* selp: a plain ?: here became local-memory indexing */
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-            diag = select_f32(nt == 2 * warp + h, select_f32(g & 1, lm[4 * nt + 2 * h + 1], lm[4 * nt + 2 * h]), diag);
-        const float sq = __shfl_sync(0xffffffffu, diag, (lane & ~3) | (g >> 1));
-        const float n = rsqrtf(sq + KDA_NORM_EPS);   /* 1 / |k_t| or 1 / |q_t| */
         const int i = 16 * (warp & 1) + g + 8 * h;   /* token of the row */
-        if (is_mqk) {
-            if (t4 == 0)
-                st.out_scale[i] = info.scale * n;
+        if (warp >= 2) {
 #pragma unroll
             for (int nt = 0; nt < C / 8; nt++) {
                 const int j = 8 * nt + 2 * t4;
@@ -333,6 +402,12 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
                 *reinterpret_cast<uint32_t *>(st.mqk.at(i, j)) = pack_bf16x2(j <= i ? v0 : 0.0f, j + 1 <= i ? v1 : 0.0f);
             }
         } else {
+            float diag = 0.0f;                     /* selp: a plain ?: here became local-memory indexing */
+#pragma unroll
+            for (int nt = 0; nt < C / 8; nt++)
+                diag = select_f32(nt == 2 * warp + h, select_f32(g & 1, lm[4 * nt + 2 * h + 1], lm[4 * nt + 2 * h]), diag);
+            const float sq = __shfl_sync(0xffffffffu, diag, (lane & ~3) | (g >> 1));
+            const float n = rsqrtf(sq + KDA_NORM_EPS);   /* 1 / |k_t| */
             const float b = info.beta[i], bn = b * n, bn2 = bn * n;
             if (t4 == 0) {
                 st.bn[i] = bn;
@@ -427,42 +502,89 @@ __device__ __forceinline__ void prepare_inverse(ProducerArea &area, PrepStage &s
     *reinterpret_cast<uint4 *>(st.inv.at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-/* Producer warpgroup `wg` (thread `tid` of it): chunks wg, wg + 2, ... until the work runs out. */
+/*
+ * Paired chains, thread 0 of the warpgroup that prepared stage `st`: once the
+ * stage is complete here (its values landed too), one bulk copy of it (of its
+ * header only, for the END chunk) into the same stage of the peer CTA,
+ * counted on the peer's full barrier as a warpgroup preparing it there would
+ * be: one arrival with the copy's bytes, then the other FULL_ARRIVALS - 1.
+ * The local consumer may meanwhile write outputs into its own half of the
+ * value tile; the peer reads only the other half.
+ */
+__device__ __forceinline__ void send_to_peer(PrepStage &st, uint64_t *full, uint32_t parity, bool header_only)
+{
+    mbar_wait(full, parity);
+    fence_proxy_async();                           /* the warpgroup's stores, seen through the barrier, before
+                                                      the copy engine reads them */
+    const uint32_t peer = cluster_rank() ^ 1, bar = cluster_addr(full, peer);
+    const void *src = header_only ? static_cast<const void *>(&st.hdr) : static_cast<const void *>(&st);
+    const uint32_t bytes = header_only ? uint32_t(sizeof(ChunkHeader)) : STAGE_COPY_BYTES;
+    mbar_arrive_expect_tx_cluster(bar, bytes);
+    bulk_copy_to_cluster(cluster_addr(src, peer), src, bytes, bar);
+    mbar_arrive_cluster(bar, FULL_ARRIVALS - 1);
+}
+
+/*
+ * Producer warpgroup `wg` (thread `tid` of it), until the work runs out.  One
+ * CTA per chain: chunks wg, wg + 2, ... of the CTA's sequence of chunks,
+ * planned in turns from the shared cursor.  Paired chains: chunks
+ * 2 rank + wg, + 4, ... of the cluster's sequence, each warpgroup planning
+ * from its own walk, and every prepared stage also goes to the peer CTA.
+ */
+template <bool PAIRED>
 __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_params &p, int wg, int tid)
 {
     const uint32_t nitems = uint32_t(*p.nseqs) * uint32_t(p.heads);
     ProducerArea &area = sm.area[wg];
     const ProducerSync sync{BAR_PRODUCER + uint32_t(wg)};
     uint64_t *loaded = &sm.loaded[wg];
+    constexpr uint32_t STRIDE = PAIRED ? 4 : 2;    /* chunks from one of the warpgroup's to its next */
+    constexpr uint32_t STAGES = prep_stages(PAIRED);
+    const uint32_t first_n = PAIRED ? 2 * cluster_rank() + uint32_t(wg) : uint32_t(wg);
+    const auto plan = [&](uint32_t k, ChunkInfo &info) {   /* thread 0: the warpgroup's k-th chunk */
+        if (PAIRED)
+            plan_paired(sm.walk[wg], p, nitems, cluster_count(), int32_t(STRIDE * k + first_n), info);
+        else
+            plan_in_turn(sm, p, nitems, wg, k, info);
+    };
     PROF_START(wg == 0 && tid == 0);
 
-    /* The first chunk: planned (warpgroup 0 starts an empty cursor, so its plan fetches an item) and
-       requested.  Warp 0 holds the beta logits of the next chunk until it is prepared. */
+    /* The first chunk: planned (warpgroup 0 starts an empty cursor, so its plan fetches an item; a
+       paired walk starts at the cluster's first item) and requested.  Warp 0 holds the beta logits
+       of the next chunk until it is prepared. */
     if (tid == 0) {
-        if (wg == 0) {
+        if (PAIRED) {
+            sm.walk[wg].first = 0;
+            walk_to(sm.walk[wg], p, nitems, cluster_index());
+        } else if (wg == 0) {
             sm.cursor.seq = 0;
             sm.cursor.t0 = 1;
             sm.cursor.len = 0;
         }
-        plan_in_turn(sm, p, nitems, wg, 0, area.info[0]);
+        plan(0, area.info[0]);
     }
     sync();
     uint32_t beta = issue_row_copies(area, area.info[0], loaded, p, tid);
 
     for (uint32_t k = 0;; k++) {
-        const uint32_t n = 2 * k + uint32_t(wg);   /* the chunk's number in the CTA's sequence */
+        const uint32_t n = STRIDE * k + first_n;   /* the chunk's number in the CTA's (cluster's) sequence */
         ChunkInfo &info = area.info[k & 1], &next = area.info[(k + 1) & 1];
-        PrepStage &st = sm.prep[n % PREP_STAGES];
-        uint64_t *full = &sm.full[n % PREP_STAGES], *empty = &sm.empty[n % PREP_STAGES];
+        PrepStage &st = sm.prep[n % STAGES];
+        uint64_t *full = &sm.full[n % STAGES], *empty = &sm.empty[n % STAGES];
+        const uint32_t phase = (n / STAGES) & 1;
+        if (PAIRED && (info.hdr.flags & CHUNK_PAST_END)) {   /* another warpgroup stops the consumers */
+            PROF_FLUSH(PROF_TOTAL);
+            return;
+        }
 
         if (tid < 32)
             store_beta(info, beta, tid);
-        if (tid == 0)                              /* chunk n + 2 */
-            plan_in_turn(sm, p, nitems, wg, k + 1, next);
+        if (tid == 0)                              /* the warpgroup's next chunk */
+            plan(k + 1, next);
         PROF_MARK(PROF_P_FETCH);
         mbar_wait(loaded, k & 1);                  /* this chunk's rows have landed */
         PROF_MARK(PROF_P_LOADWAIT);
-        mbar_wait(empty, ((n / PREP_STAGES) & 1) ^ 1);   /* the consumers are done with this stage */
+        mbar_wait<PAIRED>(empty, phase ^ 1);       /* the consumers (both CTAs') are done with chunk n - 4 */
         fence_proxy_async();
         PROF_MARK(PROF_P_EMPTYWAIT);
         const ChunkHeader hdr = info.hdr;
@@ -471,14 +593,16 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
                 st.hdr = hdr;
             cp_async_mbar_arrive(full);
             mbar_arrive(full);
+            if (PAIRED && tid == 0)
+                send_to_peer(st, full, phase, true);
             PROF_FLUSH(PROF_TOTAL);
             return;
         }
 
         issue_value_copies(st, info, full, p, tid);
         prepare_tiles(area, info, st, tid, sync);
-        fence_proxy_async();                       /* kd, qd, ki, qi feed the wgmma below */
-        sync();                                    /* (and the raw rows are free, chunk n + 2's plan visible) */
+        fence_proxy_async();                       /* kd, qd, ki feed the wgmma below */
+        sync();                                    /* (and the raw rows are free, the next chunk's plan visible) */
         PROF_MARK(PROF_P_OPERANDS);
         prepare_lmqk(area, info, st, tid, [&] { beta = issue_row_copies(area, next, loaded, p, tid); });
         if (tid == 0)
@@ -488,6 +612,8 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
         prepare_inverse(area, st, tid, sync);
         fence_proxy_async();                       /* the stage's tiles feed the consumers' wgmma */
         mbar_arrive(full);
+        if (PAIRED && tid == 0)
+            send_to_peer(st, full, phase, false);
         PROF_MARK(PROF_P_INV);
     }
 }

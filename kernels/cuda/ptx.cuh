@@ -1,7 +1,9 @@
 /*
  * ptx.cuh - thin wrappers over the sm_90a instructions the fused kernel uses:
  * mbarriers, cp.async, named barriers, proxy fences, setmaxnreg, wgmma and
- * its shared-memory descriptors, and a few fast-math primitives.
+ * its shared-memory descriptors, the cluster's shared-memory window (remote
+ * arrivals, bulk copies to the peer CTA, cluster barriers), and a few
+ * fast-math primitives.
  *
  * Each wrapper is one instruction (or a predicate set-up plus one); the
  * operand lists of the wgmma shapes are spelt out in full.
@@ -39,30 +41,42 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
  * or the time hint (ns) runs out: waiting warps then take no issue slots from
  * the warps doing the work.
  */
+template <bool CLUSTER_SCOPE = false>
 __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity)
 {
     constexpr uint32_t SUSPEND_HINT_NS = 1000000;
     uint32_t done;
-    asm volatile("{\n.reg .pred p;\n"
-                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2, %3;\n"
-                 "selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(smem_u32(bar)), "r"(parity), "r"(SUSPEND_HINT_NS)
-                 : "memory");
+    if (CLUSTER_SCOPE)
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2, %3;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(bar)), "r"(parity), "r"(SUSPEND_HINT_NS)
+                     : "memory");
+    else
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2, %3;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(bar)), "r"(parity), "r"(SUSPEND_HINT_NS)
+                     : "memory");
     return done != 0;
 }
 
-/* Waits for the phase of the given parity to complete.  With KDA_DEBUG_HANG_TRAP
- * a wait that never ends traps instead of hanging the GPU (debug builds only). */
+/* Waits for the phase of the given parity to complete; CLUSTER_SCOPE when the
+ * arrivals that complete it come from the other CTA of a cluster too.  With
+ * KDA_DEBUG_HANG_TRAP a wait that never ends traps instead of hanging the GPU
+ * (debug builds only). */
+template <bool CLUSTER_SCOPE = false>
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
 {
 #ifdef KDA_DEBUG_HANG_TRAP
     uint64_t spins = 0;
-    while (!mbar_try_wait(bar, parity))
+    while (!mbar_try_wait<CLUSTER_SCOPE>(bar, parity))
         if (++spins == (1ull << 26))
             __trap();
 #else
-    while (!mbar_try_wait(bar, parity)) {
+    while (!mbar_try_wait<CLUSTER_SCOPE>(bar, parity)) {
     }
 #endif
 }
@@ -85,6 +99,75 @@ __device__ __forceinline__ void cp_async_4(void *smem, const void *gmem)
 __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *bar)
 {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+/* ---- the cluster: the peer CTA's shared memory ---------------------------- */
+
+__device__ __forceinline__ uint32_t cluster_rank()
+{
+    uint32_t r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t cluster_index()
+{
+    uint32_t r;
+    asm("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t cluster_count()
+{
+    uint32_t r;
+    asm("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return r;
+}
+
+/* The address in the cluster's shared window of `p`'s counterpart in CTA `rank`. */
+__device__ __forceinline__ uint32_t cluster_addr(const void *p, uint32_t rank)
+{
+    uint32_t r;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+    return r;
+}
+
+/* `count` arrivals, with release at cluster scope, on an mbarrier of the cluster (cluster_addr). */
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(bar), "r"(count)
+                 : "memory");
+}
+
+/* One arrival on an mbarrier of the cluster that also expects `bytes` of async copies. */
+__device__ __forceinline__ void mbar_arrive_expect_tx_cluster(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+
+/* Bulk copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from this CTA's shared
+   memory to the cluster address `dst`, completing as transactions on the cluster mbarrier `bar`
+   (in the destination CTA). */
+__device__ __forceinline__ void bulk_copy_to_cluster(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     dst),
+                 "r"(smem_u32(src)), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+/* Makes mbarrier initialisations visible to the cluster (before the cluster barrier). */
+__device__ __forceinline__ void fence_mbarrier_init_cluster()
+{
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/* Every thread of both CTAs. */
+__device__ __forceinline__ void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 /* ---- barriers and fences ------------------------------------------------ */
@@ -287,21 +370,18 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs_nmajor(float (&d)[64], const
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
 }
 
-/* D[64 x 64] (+)= A[64 x 16] . B[16 x 64], both in shared memory (K-major SW128). */
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a_desc, uint64_t b_desc,
+/* D[64 x 32] (+)= A[64 x 16] . B[16 x 32], both in shared memory (K-major SW128). */
+__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t a_desc, uint64_t b_desc,
                                                   int accumulate)
 {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
         "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 

@@ -5,7 +5,8 @@
  * the descriptor table, handed out from one device counter, so CTAs that
  * finish early take more items (the host sorts sequences longest first).
  * The last CTA to finish resets the counters, so a launch needs no memset
- * and a captured graph replays as is.
+ * and a captured graph replays as is.  (Paired chains take their items
+ * statically instead: producer.cuh, plan_paired.)
  */
 #pragma once
 
@@ -14,10 +15,10 @@
 
 namespace kda {
 
-/*
- * Takes the next item that has work: len > 0, or len == 0 with
- * KDA_SEQ_ZERO_STATE (which still zeroes its slot).  One thread calls this.
- */
+/* An item has work when its sequence has tokens, or none but KDA_SEQ_ZERO_STATE (which still zeroes its slot). */
+__device__ __forceinline__ bool seq_has_work(const kda_seq &s) { return s.len > 0 || (s.flags & KDA_SEQ_ZERO_STATE); }
+
+/* Takes the next item that has work.  One thread calls this. */
 __device__ __forceinline__ bool sched_fetch(const kda_fwd_params &p, uint32_t nitems, int32_t &seq,
                                             int32_t &head)
 {
@@ -27,8 +28,7 @@ __device__ __forceinline__ bool sched_fetch(const kda_fwd_params &p, uint32_t ni
             return false;
         seq = int32_t(item / uint32_t(p.heads));
         head = int32_t(item % uint32_t(p.heads));
-        const kda_seq &s = p.seqs[seq];
-        if (s.len > 0 || (s.flags & KDA_SEQ_ZERO_STATE))
+        if (seq_has_work(p.seqs[seq]))
             return true;
     }
 }

@@ -2,31 +2,46 @@
  * smem.cuh - the fused kernel's shared memory: tile shapes, the 128- and
  * 64-byte swizzled operand layouts, the pipeline stages and their barriers.
  *
- *   PrepStage x 3    chunk operands the producers prepare for the consumers
+ *   PrepStage x 4    chunk operands the producers prepare for the consumers
  *   ProducerArea x 2 one per producer warpgroup: the raw q, k, g rows of its
  *                    chunk (cp.async), the plans of its current and next
  *                    chunk, and its working set
  *   LoadCursor       where the producers are in the work (shared by both)
+ *   ChainWalk x 2    paired chains: each producer warpgroup's own position
  *   mbarriers        full/empty per PrepStage, loaded and plan turn per
  *                    producer warpgroup
  */
 #pragma once
 
+#include <stddef.h>
 #include <stdint.h>
 
 namespace kda {
 
 constexpr int D = 128;              /* head dimension (K = V = 128) */
 constexpr int C = 32;               /* tokens per chunk */
-constexpr int PREP_STAGES = 3;      /* prepared chunks in flight: one consumed while each producer prepares one */
+/* Prepared chunks in flight: a producer warpgroup holds a stage while it prepares its chunk, so the
+   four producers of paired chains need four stages to keep the consumers fed; one CTA per chain
+   uses three (two prepared ahead).  Each producer then stays within one phase of its stage's empty
+   barrier (paired: it waits for chunk n - 4; its previous wait, four chunks earlier, was for n - 8). */
+constexpr int PREP_STAGES = 4;
+constexpr int prep_stages(bool paired) { return paired ? 4 : 3; }
 
-/* Warpgroup roles: WG0 and WG1 prepare alternate chunks, WG2 and WG3 each own 64 state rows. */
+/*
+ * Warpgroup roles.  A chain's state is held by two consumer warpgroups of 64
+ * rows each.  One CTA per chain: WG0 and WG1 prepare alternate chunks, WG2
+ * and WG3 hold the state.  Paired chains (a cluster of two CTAs per chain,
+ * when chains are at most half the SMs): in each CTA WG0 and WG1 prepare
+ * every fourth chunk, for both CTAs, and WG2 holds the 64 state rows of the
+ * CTA's rank.
+ */
 constexpr int WG_THREADS = 128;
 constexpr int PRODUCER_WGS = 2;
-constexpr int CONSUMER_WGS = 2;
+constexpr int CHAIN_CONSUMER_WGS = 2;
+constexpr int ROWS_PER_CONSUMER = D / CHAIN_CONSUMER_WGS;
 constexpr int PRODUCER_THREADS = WG_THREADS * PRODUCER_WGS;
-constexpr int THREADS = WG_THREADS * (PRODUCER_WGS + CONSUMER_WGS);
-constexpr int ROWS_PER_CONSUMER = D / CONSUMER_WGS;
+constexpr int consumer_wgs(bool paired) { return paired ? 1 : CHAIN_CONSUMER_WGS; }
+constexpr int threads(bool paired) { return WG_THREADS * (PRODUCER_WGS + consumer_wgs(paired)); }
 
 /*
  * Register budgets (setmaxnreg): 512 threads launch with 128 registers each
@@ -35,13 +50,18 @@ constexpr int ROWS_PER_CONSUMER = D / CONSUMER_WGS;
  * the [P | O1] accumulator (32), the bf16 A fragments of the state (32), U
  * (16) and the chunk's V values (8); a producer thread the gate prefix sums
  * of four key dims over a quarter chunk (32), or a 32-register wgmma
- * accumulator.
+ * accumulator.  Paired chains launch 384 threads with 168 registers and
+ * have room to spare: 96 / 240.
  */
-constexpr int LAUNCH_REGS = 65536 / THREADS;
-constexpr uint32_t PRODUCER_REGS = 80;
-constexpr uint32_t CONSUMER_REGS = 176;
-static_assert(PRODUCER_REGS * PRODUCER_THREADS + CONSUMER_REGS * WG_THREADS * CONSUMER_WGS == LAUNCH_REGS * THREADS,
-              "register budgets exceed the launch allocation");
+constexpr uint32_t producer_regs(bool paired) { return paired ? 96 : 80; }
+constexpr uint32_t consumer_regs(bool paired) { return paired ? 240 : 176; }
+constexpr int launch_regs(bool paired) { return 65536 / threads(paired) / 8 * 8; }
+constexpr bool regs_fit(bool paired)
+{
+    return producer_regs(paired) * PRODUCER_THREADS + consumer_regs(paired) * WG_THREADS * consumer_wgs(paired) <=
+           uint32_t(launch_regs(paired) * threads(paired));
+}
+static_assert(regs_fit(false) && regs_fit(true), "register budgets exceed the launch allocation");
 
 enum NamedBarrier : uint32_t {
     BAR_ALL = 0,        /* __syncthreads */
@@ -115,8 +135,8 @@ struct alignas(512) Sw64Tile {
     __host__ __device__ __forceinline__ static constexpr uint32_t kslice_offset(int ks) { return uint32_t(ks * 32); }
 };
 
-/* What the producer tells the consumers about a chunk. */
-struct ChunkHeader {
+/* What the producer tells the consumers about a chunk (16-byte aligned: paired chains bulk-copy it). */
+struct alignas(16) ChunkHeader {
     int32_t seq;        /* index into the descriptor table */
     int32_t head;
     int32_t t0;         /* first token of the chunk within its sequence */
@@ -127,12 +147,14 @@ enum : uint32_t {
     CHUNK_FIRST = 1u,   /* first chunk of a work item: load the state */
     CHUNK_LAST = 2u,    /* last chunk: store the state */
     CHUNK_END = 4u,     /* no more work: consumers exit */
+    CHUNK_PAST_END = 8u, /* paired chains: a chunk after the END one, which nobody waits for */
 };
 
 /*
- * The tiles are built from the raw (unnormalised) q and k: the L2 norms come
- * from the diagonal of the same wgmma that forms L and Mqk, and are applied
- * as per-token factors (n_t = 1 / |k_t|, m_t = 1 / |q_t|):
+ * The tiles are built from the raw (unnormalised) q and k, and the L2 norms
+ * applied as per-token factors (n_t = 1 / |k_t| from the diagonal of the
+ * wgmma that forms L and Mqk, m_t = 1 / |q_t| summed while the tiles are
+ * built):
  *   L^  = diag(b n^2) strictly_lower(kd ki^T) = diag(n) L diag(1/n), so the solve
  *         with (I + L^)^-1 gives n U from the input n Uin = b n V - b n^2 P
  *         (P = S kd^T from the raw kd), and n U is what ki and Mqk (raw k) need
@@ -145,7 +167,7 @@ enum : uint32_t {
  */
 struct alignas(1024) PrepStage {
     Sw128Tile<2 * C, D> kq;      /* [64 x 128]: rows 0..31 kd = k e^(G-c), rows 32..63 qd = q e^(G-c) */
-    Sw128Tile<2 * C, D> kiq;     /* [64 x 128]: rows 0..31 ki = k e^(c-G), rows 32..63 qi = q e^(c-G) */
+    Sw128Tile<C, D> ki;          /* [32 x 128]: ki = k e^(c-G) */
     Sw64Tile<C> mqk;             /* [32 x 32]: Mqk[i][j], zero above the diagonal */
     Sw64Tile<C> inv;             /* [32 x 32]: (I + L^)^-1 */
     Sw128Tile<C, D> v;           /* [32 x 128]: the chunk's values (cp.async straight from global memory),
@@ -182,7 +204,15 @@ struct LoadCursor {
     float exp_a, lb2, scale;
 };
 
-/* One producer warpgroup's own memory: it prepares every other chunk. */
+/* Paired chains: one producer warpgroup's walk over its cluster's items (cluster, cluster + clusters, ...). */
+struct ChainWalk {
+    LoadCursor cur;              /* the item the walk is in (seq < 0: past the last) */
+    uint32_t item;               /* its index, seq * heads + head */
+    int32_t first;               /* the cluster's number of its first chunk (past the last: all chunks) */
+    int32_t chunks;              /* its chunks: ceil(len / C), 1 for a zero-state-only item, 0 for none */
+};
+
+/* One producer warpgroup's own memory: it prepares every other (paired: every fourth) chunk. */
 struct alignas(128) ProducerArea {
     uint16_t q[C * D];           /* [32 x 128] bf16, row-major, as loaded; rows past the end are stale */
     uint16_t k[C * D];
@@ -201,12 +231,23 @@ struct SharedStorage {
     PrepStage prep[PREP_STAGES];
     ProducerArea area[PRODUCER_WGS];
     LoadCursor cursor;
+    ChainWalk walk[PRODUCER_WGS];
     uint64_t full[PREP_STAGES];  /* producer -> consumers: stage prepared and its values landed
-                                    (128 arrivals and 128 cp.async arrivals of one warpgroup) */
-    uint64_t empty[PREP_STAGES]; /* consumers -> producers: stage consumed (256 arrivals) */
+                                    (128 arrivals and 128 cp.async arrivals of one warpgroup; paired
+                                    chains, from the peer: 256 arrivals and the bulk copy's bytes) */
+    uint64_t empty[PREP_STAGES]; /* consumers -> producers: stage consumed (256 arrivals: the chain's
+                                    two consumer warpgroups, in both CTAs when paired) */
     uint64_t loaded[PRODUCER_WGS];    /* a warpgroup's raw rows landed (its 128 cp.async arrivals) */
     uint64_t plan_turn[PRODUCER_WGS]; /* this warpgroup may plan next (1 arrival, by the other) */
 };
+
+/* Arrivals per phase: full = a producer warpgroup's threads and their value copies; empty = the
+   threads of the chain's two consumer warpgroups. */
+constexpr uint32_t FULL_ARRIVALS = 2 * WG_THREADS;
+constexpr uint32_t EMPTY_ARRIVALS = WG_THREADS * CHAIN_CONSUMER_WGS;
+/* What paired chains copy of a prepared stage to the peer: everything up to the header. */
+constexpr uint32_t STAGE_COPY_BYTES = uint32_t(offsetof(PrepStage, hdr) + sizeof(ChunkHeader));
+static_assert(STAGE_COPY_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 constexpr size_t SMEM_BYTES = sizeof(SharedStorage) + 1024;   /* + alignment slack of the dynamic base */
 static_assert(SMEM_BYTES <= 232448, "shared memory exceeds the sm_90 per-block opt-in limit");

@@ -485,6 +485,17 @@ static void host_checks(void **unused)
     assert_int_equal(kda_cuda_batch_check(&pool, &s, 1, &err), KDA_OK);
 }
 
+/* Group set-ups: how chains map to CTAs (kda_cuda_set_pairing) for the group's tests. */
+static int set_pairing(kda_cuda_pairing pairing, const char *what)
+{
+    kda_cuda_set_pairing(cu, pairing);
+    printf("-- chains on %s\n", what);
+    return 0;
+}
+static int pairing_auto(void **) { return set_pairing(KDA_CUDA_PAIRING_AUTO, "paired CTAs when they fit, else one CTA each"); }
+static int pairing_off(void **) { return set_pairing(KDA_CUDA_PAIRING_OFF, "one CTA each"); }
+static int pairing_always(void **) { return set_pairing(KDA_CUDA_PAIRING_ALWAYS, "paired CTAs, several chains per cluster"); }
+
 int main()
 {
     const struct CMUnitTest host[] = {cmocka_unit_test(host_checks)};
@@ -502,12 +513,20 @@ int main()
     }
     const char *env = getenv("KDA_TEST_SEED");
     seed = env ? strtoull(env, nullptr, 10) : uint64_t(time(nullptr));
-    printf("test_cuda_kernel on %s (%d SMs), seed %llu\n", kda_cuda_device_name(cu), kda_cuda_sm_count(cu),
-           (unsigned long long)seed);
+    printf("test_cuda_kernel on %s (%d SMs, %d clusters of paired chains), seed %llu\n", kda_cuda_device_name(cu),
+           kda_cuda_sm_count(cu), kda_cuda_paired_clusters(cu), (unsigned long long)seed);
+    /* AUTO pairs the chains of small batches (the golden cases, H64 x 8192, ...) and gives larger
+       ones a CTA each; the OFF and ALWAYS groups run the small batches one CTA per chain and the
+       large ones with several chains per cluster. */
+    const struct CMUnitTest forced[] = {
+        cmocka_unit_test(golden_cases), cmocka_unit_test(varlen_edges), cmocka_unit_test(many_short_sequences),
+        cmocka_unit_test(graph_replay),
+    };
     int failed;
     if (getenv("KDA_GPU_TEST_QUICK")) {
         const struct CMUnitTest quick[] = {cmocka_unit_test(varlen_edges)};
-        failed = cmocka_run_group_tests(quick, nullptr, nullptr);
+        failed = cmocka_run_group_tests_name("one CTA per chain", quick, pairing_off, nullptr) +
+                 cmocka_run_group_tests_name("paired chains", quick, pairing_always, nullptr);
     } else {
         const struct CMUnitTest tests[] = {
             cmocka_unit_test(golden_cases),         cmocka_unit_test(varlen_edges),
@@ -515,7 +534,9 @@ int main()
             cmocka_unit_test(long_sequence),        cmocka_unit_test(sequences_in_separate_buffers),
             cmocka_unit_test(graph_replay),         cmocka_unit_test(deterministic),
         };
-        failed = cmocka_run_group_tests(tests, nullptr, nullptr);
+        failed = cmocka_run_group_tests_name("automatic pairing", tests, pairing_auto, nullptr) +
+                 cmocka_run_group_tests_name("one CTA per chain", forced, pairing_off, nullptr) +
+                 cmocka_run_group_tests_name("paired chains", forced, pairing_always, nullptr);
     }
     kda_cuda_destroy(cu);
     return failed;

@@ -5,9 +5,9 @@
  *
  *   rs_n64   D[64x64]   = A[64x128] (registers) . B (Sw128Tile<64,128>)   consumer step 1
  *   rs_n32   D[64x32]  += A[64x32]  (registers) . B (Sw64Tile<32>)        consumer steps 3, 4 (O)
- *   rs_n128  D[64x128] += A[64x32]  (registers) . B (Sw128Tile<64,128>, read N-major)
+ *   rs_n128  D[64x128] += A[64x32]  (registers) . B (Sw128Tile<32,128>, read N-major)
  *                                                                         consumer step 4 (S)
- *   ss_n64   D[64x64]   = A (Sw128Tile<64,128>) . B (Sw128Tile<64,128>)   producer L, Mqk, norms
+ *   ss_n32   D[64x32]   = A (Sw128Tile<64,128>) . B (Sw128Tile<32,128>)   producer L, Mqk, k norms
  *
  * against a float64 product of the same bf16 values; and the swizzled
  * addressing (Sw128Tile::offset, Sw64Tile::offset) as the kernel's loops
@@ -67,12 +67,12 @@ __device__ void fill_tile(Sw128Tile<ROWS, COLS> &t, const uint16_t *src, int row
 }
 
 struct alignas(1024) LayoutSmem {
-    Sw128Tile<64, 128> a;      /* ss_n64 A, rs_n64 B, rs_n128 B (rows = K) */
-    Sw128Tile<64, 128> b64k;
+    Sw128Tile<64, 128> a;      /* ss_n32 A, rs_n64 B */
+    Sw128Tile<32, 128> b32k;   /* ss_n32 B, rs_n128 B (rows = K) */
     Sw64Tile<32> b32;
 };
 
-/* which: 0 rs_n64, 1 rs_n32, 2 rs_n128, 3 ss_n64.  A: [64 x K] row-major, B: [N x K] (B^T) row-major. */
+/* which: 0 rs_n64, 1 rs_n32, 2 rs_n128, 3 ss_n32.  A: [64 x K] row-major, B: [N x K] (B^T) row-major. */
 __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, const float *Dinit, float *D)
 {
     extern __shared__ uint8_t raw[];
@@ -110,9 +110,9 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
         if (which == 1) {
             fill_tile(sm.b32, B, 32, 32);
         } else {   /* B^T [128 x 32] stored with rows = K, as the producer stores ki */
-            for (int idx = tid; idx < 64 * 128; idx += blockDim.x) {
+            for (int idx = tid; idx < 32 * 128; idx += blockDim.x) {
                 const int k = idx / 128, n = idx % 128;
-                *sm.a.at(k, n) = k < 32 ? B[n * 32 + k] : uint16_t(0);
+                *sm.b32k.at(k, n) = B[n * 32 + k];
             }
         }
         fence_proxy_async();
@@ -150,9 +150,9 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
             }
             fence_operands(d);
             wgmma_fence();
-            const uint64_t desc = sw128_nmajor_desc(sm.a.data, sm.a.BLOCK_BYTES);
+            const uint64_t desc = sw128_nmajor_desc(sm.b32k.data, sm.b32k.BLOCK_BYTES);
             for (int ks = 0; ks < 2; ks++)
-                wgmma_m64n128k16_rs_nmajor(d, a[ks], desc_advance(desc, sm.a.nmajor_kslice_offset(ks)), 1);
+                wgmma_m64n128k16_rs_nmajor(d, a[ks], desc_advance(desc, sm.b32k.nmajor_kslice_offset(ks)), 1);
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(d);
@@ -163,23 +163,23 @@ __global__ void layout_kernel(int which, const uint16_t *A, const uint16_t *B, c
         }
     } else {
         fill_tile(sm.a, A, 64, 128);
-        fill_tile(sm.b64k, B, 64, 128);
+        fill_tile(sm.b32k, B, 32, 128);
         fence_proxy_async();
         __syncthreads();
-        float d[32];
-        for (int i = 0; i < 32; i++)
+        float d[16];
+        for (int i = 0; i < 16; i++)
             d[i] = 0.0f;
         fence_operands(d);
         wgmma_fence();
         for (int ks = 0; ks < 8; ks++)
-            wgmma_m64n64k16_ss(d, desc_advance(sw128_desc(sm.a.data), sm.a.kslice_offset(ks)),
-                               desc_advance(sw128_desc(sm.b64k.data), sm.b64k.kslice_offset(ks)), ks > 0);
+            wgmma_m64n32k16_ss(d, desc_advance(sw128_desc(sm.a.data), sm.a.kslice_offset(ks)),
+                               desc_advance(sw128_desc(sm.b32k.data), sm.b32k.kslice_offset(ks)), ks > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(d);
-        for (int i = 0; i < 32; i++) {
+        for (int i = 0; i < 16; i++) {
             acc_pos(tid, i, row, col);
-            D[row * 64 + col] = d[i];
+            D[row * 32 + col] = d[i];
         }
     }
 }
@@ -202,6 +202,7 @@ __global__ void offsets_kernel(uint32_t *out)
         const int t = 8 * quarter + e;
         out[2048 + t * 128 + tid % 32] = Sw128Tile<64, 128>::offset(t, d);
         out[2048 + (32 + t) * 128 + tid % 32] = Sw128Tile<64, 128>::offset(32 + t, d);
+        out[2048 + 64 * 128 + t * 128 + tid % 32] = Sw128Tile<32, 128>::offset(t, d);
     }
 }
 
@@ -217,7 +218,7 @@ static uint32_t reference_offset(int rows, int row, int col)
 
 static int check_offsets()
 {
-    uint32_t *d, h[2048 + 64 * 128];
+    uint32_t *d, h[2048 + 96 * 128];
     CHECK(cudaMalloc(&d, sizeof h));
     offsets_kernel<<<1, 128>>>(d);
     CHECK(cudaGetLastError());
@@ -235,6 +236,9 @@ static int check_offsets()
     for (int t = 0; t < 64; t++)
         for (int lane = 0; lane < 32; lane++)
             bad += h[2048 + t * 128 + lane] != reference_offset(64, t, 4 * lane);
+    for (int t = 0; t < 32; t++)
+        for (int lane = 0; lane < 32; lane++)
+            bad += h[2048 + 64 * 128 + t * 128 + lane] != reference_offset(32, t, 4 * lane);
     return bad;
 }
 
@@ -322,7 +326,7 @@ int main()
         {"rs_n64  (step 1: S . [kd|qd]^T)", 0, 64, 128},
         {"rs_n32  (steps 3, 4: Uin^T . INV^T, O^T += U^T . Mqk^T)", 1, 32, 32},
         {"rs_n128 (step 4: S += U^T . ki, N-major)", 2, 128, 32},
-        {"ss_n64  (producer: [kd;qd] . [ki;qi]^T)", 3, 64, 128},
+        {"ss_n32  (producer: [kd;qd] . ki^T)", 3, 32, 128},
     };
     const int bad_offsets = check_offsets();
     printf("%-48s %d wrong offsets  %s\n", "swizzle addressing (kernel index patterns)", bad_offsets,
