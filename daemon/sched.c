@@ -99,6 +99,22 @@ static void list_remove(kd_job **head, kd_job **tail, kd_job *j)
     j->prev = j->next = NULL;
 }
 
+static void add_cost(kd_cost_sum *sum, const kd_job_cost *c)
+{
+    sum->tokens += c->tokens;
+    sum->seqs += c->seqs;
+    sum->stage_in += c->stage_in;
+    sum->stage_out += c->stage_out;
+}
+
+static void sub_cost(kd_cost_sum *sum, const kd_job_cost *c)
+{
+    sum->tokens -= c->tokens;
+    sum->seqs -= c->seqs;
+    sum->stage_in -= c->stage_in;
+    sum->stage_out -= c->stage_out;
+}
+
 static void make_runnable(kd_sched *s, kd_job *j)
 {
     if (j->host) {
@@ -107,6 +123,7 @@ static void make_runnable(kd_sched *s, kd_job *j)
     }
     list_insert_ordered(&j->group->rhead, &j->group->rtail, j);
     ring_insert(s, j->group);
+    add_cost(&s->runnable, &j->cost);
 }
 
 /* Takes a runnable job off its list (it is about to run or be dropped). */
@@ -120,6 +137,7 @@ static void take_runnable(kd_sched *s, kd_job *j)
     list_remove(&g->rhead, &g->rtail, j);
     if (!g->rhead)
         ring_remove(s, g);
+    sub_cost(&s->runnable, &j->cost);
 }
 
 /* ---------------------------------------------------------------------- */

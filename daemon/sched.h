@@ -36,6 +36,11 @@ typedef struct kd_job_cost {
     uint64_t stage_out; /* bytes the backend must stage back */
 } kd_job_cost;
 
+/* The summed cost of many jobs (64 bits: the queue can hold more than a batch). */
+typedef struct kd_cost_sum {
+    uint64_t tokens, seqs, stage_in, stage_out;
+} kd_cost_sum;
+
 /* Limits of one batch (the first job is taken regardless). */
 typedef struct kd_sched_limits {
     uint32_t max_tokens;
@@ -92,6 +97,7 @@ typedef struct kd_sched {
     uint64_t next_order;
     uint32_t queued;        /* jobs in KD_JOB_QUEUED */
     uint32_t running;       /* jobs in KD_JOB_RUNNING */
+    kd_cost_sum runnable;   /* the runnable device jobs together: what the next batch may take */
     kd_sched_group **scratch; /* kd_sched_form's snapshot of the ring */
     bool *skip;
     size_t scratch_cap;

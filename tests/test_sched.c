@@ -1,6 +1,7 @@
 /*
  * test_sched.c - daemon/sched.c: batch formation, per-slot arrival order,
- * fairness across connections, batch limits, host jobs and cancellation.
+ * fairness across connections, batch limits, host jobs and cancellation,
+ * the runnable totals.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -39,21 +40,29 @@ static int teardown(void **state)
     fixture *f = *state;
     assert_int_equal(f->s.queued, 0);
     assert_int_equal(f->s.running, 0);
+    const kd_cost_sum *r = &f->s.runnable;
+    assert_int_equal(r->tokens + r->seqs + r->stage_in + r->stage_out, 0);
     kd_sched_destroy(&f->s);
     return 0;
 }
 
-/* Queues a job of group g on one or two slots (b < 0: one). */
-static kd_job *push(fixture *f, int g, int a, int b, uint32_t tokens, bool host)
+/* Queues a job of group g on one or two slots (b < 0: one), staging stage_in bytes. */
+static kd_job *push_staged(fixture *f, int g, int a, int b, uint32_t tokens, uint64_t stage_in,
+                           bool host)
 {
     int n = f->njobs++;
     kd_job *j = &f->job[n];
     f->slots[n][0] = (uint32_t)a;
     f->slots[n][1] = (uint32_t)b;
     *j = (kd_job){.group = &f->group[g], .slots = f->slots[n], .nslots = b < 0 ? 1 : 2,
-                  .cost = {tokens, 1, 0, 0}, .host = host};
+                  .cost = {tokens, 1, stage_in, 0}, .host = host};
     assert_int_equal(kd_sched_push(&f->s, j), 0);
     return j;
+}
+
+static kd_job *push(fixture *f, int g, int a, int b, uint32_t tokens, bool host)
+{
+    return push_staged(f, g, a, b, tokens, 0, host);
 }
 
 /* Forms a batch and checks it holds exactly `want` (in any order). */
@@ -137,16 +146,13 @@ static void test_batch_limits(void **state)
 
     /* sequences and staging bytes bound a batch the same way */
     kd_job *s3[3];
-    for (int i = 0; i < 3; i++) {
-        s3[i] = push(f, 0, 20 + i, -1, 1, false);
-        s3[i]->cost.stage_in = 100;
-    }
+    for (int i = 0; i < 3; i++)
+        s3[i] = push_staged(f, 0, 20 + i, -1, 1, 100, false);
     kd_sched_limits seqs = {1u << 20, 2, UINT64_MAX, UINT64_MAX};
     kd_job *two[] = {s3[0], s3[1]};
     form_expect(f, &seqs, two, 2);
     done_all(f, two, 2);
-    kd_job *more = push(f, 0, 30, -1, 1, false);
-    more->cost.stage_in = 100;
+    kd_job *more = push_staged(f, 0, 30, -1, 1, 100, false);
     kd_sched_limits stage = {1u << 20, 1024, 150, UINT64_MAX};
     form_expect(f, &stage, &s3[2], 1);
     kd_sched_done(&f->s, s3[2]);
@@ -248,6 +254,39 @@ static void test_host_jobs_and_cancel(void **state)
     assert_int_equal(kd_sched_slot_jobs(&f->s, 7), 0);
 }
 
+/* kd_sched.runnable sums the runnable device jobs: blocked jobs, host jobs
+ * and jobs handed out are not in it. */
+static void test_runnable_totals(void **state)
+{
+    fixture *f = *state;
+    const kd_cost_sum *r = &f->s.runnable;
+    kd_job *a = push_staged(f, 0, 1, -1, 100, 7, false);
+    kd_job *b = push(f, 1, 2, -1, 20, false);
+    kd_job *behind_a = push(f, 1, 1, -1, 1000, false); /* blocked behind a */
+    kd_job *reset = push(f, 0, 3, -1, 0, true);
+    assert_int_equal(r->tokens, 120);
+    assert_int_equal(r->seqs, 2);
+    assert_int_equal(r->stage_in, 7);
+    assert_ptr_equal(kd_sched_next_host(&f->s), reset);
+    kd_sched_done(&f->s, reset);
+
+    kd_sched_limits small = {100, 1024, UINT64_MAX, UINT64_MAX};
+    kd_job *first[] = {a};
+    form_expect(f, &small, first, 1); /* b does not fit: it stays runnable */
+    assert_int_equal(r->tokens, 20);
+    assert_int_equal(r->seqs, 1);
+    assert_int_equal(r->stage_in, 0);
+    kd_sched_done(&f->s, a); /* unblocks behind_a */
+    assert_int_equal(r->tokens, 1020);
+    assert_int_equal(r->seqs, 2);
+    kd_sched_cancel(&f->s, b);
+    assert_int_equal(r->tokens, 1000);
+    kd_job *last[] = {behind_a};
+    form_expect(f, &roomy, last, 1);
+    assert_int_equal(r->tokens + r->seqs, 0);
+    kd_sched_done(&f->s, behind_a);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -258,6 +297,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_fairness_across_connections, setup, teardown),
         cmocka_unit_test_setup_teardown(test_no_overtaking_within_a_connection, setup, teardown),
         cmocka_unit_test_setup_teardown(test_host_jobs_and_cancel, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_runnable_totals, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
