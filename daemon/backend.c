@@ -11,7 +11,8 @@
 #include "log.h"
 
 int kd_backend_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend_done_cb done,
-                      void *ctx, kd_backend **out, char *err, size_t errlen)
+                      kd_backend_idle_cb idle, void *ctx, kd_backend **out, char *err,
+                      size_t errlen)
 {
     int rc = KP_E_NOT_SUPPORTED;
     *out = NULL;
@@ -30,6 +31,7 @@ int kd_backend_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend_
         return rc;
     (*out)->loop = loop;
     (*out)->done = done;
+    (*out)->idle = idle;
     (*out)->done_ctx = ctx;
     return KP_OK;
 }
@@ -45,6 +47,7 @@ int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     batch->status = KD_BATCH_OK;
     batch->code = KP_OK;
     batch->message[0] = '\0';
+    batch->on_device = false;
     uint64_t formed = batch->t.formed_ns;
     batch->t = (kd_batch_timing){.formed_ns = formed, .submit_ns = uv_hrtime()};
     int rc = b->ops->submit(b, batch, err);
@@ -53,8 +56,31 @@ int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     return rc;
 }
 
+void kd_backend_launched(kd_backend *b, kd_batch *batch)
+{
+    batch->on_device = true;
+    b->on_device++;
+}
+
+/* Whether the batch was on the device (it no longer is). */
+static bool leave_device(kd_backend *b, kd_batch *batch)
+{
+    if (!batch->on_device)
+        return false;
+    batch->on_device = false;
+    b->on_device--;
+    return true;
+}
+
+void kd_backend_device_done(kd_backend *b, kd_batch *batch)
+{
+    if (leave_device(b, batch) && b->on_device == 0 && b->idle)
+        b->idle(b->done_ctx);
+}
+
 void kd_backend_complete(kd_backend *b, kd_batch *batch)
 {
+    leave_device(b, batch);
     kd_batch_timing *t = &batch->t;
     if (!t->done_ns)
         t->done_ns = uv_hrtime();

@@ -92,10 +92,15 @@ typedef struct kd_batch {
      * staged_ns .. unstaged_ns and the device times by the backend (which
      * clears them at submit), replied_ns by the daemon. */
     kd_batch_timing t;
+    bool on_device;    /* backend.c: counted in kd_backend.on_device */
 } kd_batch;
 
 /* Runs on the loop thread when a submitted batch is done (whatever its status). */
 typedef void (*kd_backend_done_cb)(void *ctx, kd_batch *batch);
+/* Runs on the loop thread when the device finished the last batch launched
+ * on it while that batch is not done yet (its outputs are being copied out
+ * on the host): the device idles unless it gets another. */
+typedef void (*kd_backend_idle_cb)(void *ctx);
 
 typedef struct kd_backend_ops {
     /* Starts a batch; 0, or a kp_code (then the callback never fires). */
@@ -138,8 +143,11 @@ struct kd_backend {
     kda_pool pool;              /* state memory: host (cpu) or device (cuda) */
     uv_loop_t *loop;
     kd_backend_done_cb done;
-    void *done_ctx;
+    kd_backend_idle_cb idle;    /* may be NULL */
+    void *done_ctx;             /* both callbacks' */
     uint32_t inflight;          /* batches submitted and not completed */
+    uint32_t on_device;         /* of those, batches launched on the device and not finished
+                                   there (not staging, not unstaging) */
 };
 
 typedef struct kd_backend_config {
@@ -161,12 +169,20 @@ typedef struct kd_backend_config {
  * another kp_code.
  */
 int kd_backend_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend_done_cb done,
-                      void *ctx, kd_backend **out, char *err, size_t errlen);
+                      kd_backend_idle_cb idle, void *ctx, kd_backend **out, char *err,
+                      size_t errlen);
 void kd_backend_destroy(kd_backend *b);
 
 /* Submits and counts the batch in flight. */
 int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err);
-/* Called by backends on the loop thread when a batch is done. */
+/* Called by backends on the loop thread when a batch's device work starts
+ * (cuda: enqueued on the streams; cpu: handed to the worker, its device). */
+void kd_backend_launched(kd_backend *b, kd_batch *batch);
+/* Called by backends on the loop thread when the device has finished a
+ * batch that still has host work left (unstaging); may call the idle callback. */
+void kd_backend_device_done(kd_backend *b, kd_batch *batch);
+/* Called by backends on the loop thread when a batch is done (implies
+ * kd_backend_device_done, without the idle callback: the done callback follows). */
 void kd_backend_complete(kd_backend *b, kd_batch *batch);
 
 /* Bytes of one slot's state in the pool's dtype. */

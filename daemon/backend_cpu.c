@@ -152,6 +152,7 @@ static int cpu_submit(kd_backend *b, kd_batch *batch, kp_error *err)
         cb->batch = NULL;
         return kp_fail(err, KP_E_INTERNAL, "uv_queue_work: %s", uv_strerror(rc));
     }
+    kd_backend_launched(b, batch);
     return KP_OK;
 }
 

@@ -515,6 +515,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
     }
     if (e == cudaSuccess) {
         b->t.launched_ns = uv_hrtime();
+        kd_backend_launched(&cb->base, b);
         bf->state = BUF_RUNNING;
         bf->seq = cb->next_seq++;
         wait_for(cb, bf);
@@ -699,6 +700,7 @@ static void on_wake(uv_async_t *a)
             continue;
         }
         bf->state = BUF_UNSTAGING;
+        kd_backend_device_done(&cb->base, b);
         bf->work.data = bf;
         if (uv_queue_work(cb->base.loop, &bf->work, unstage_work, unstage_after) != 0) {
             unstage_work(&bf->work); /* cannot happen with a live loop; stay correct anyway */

@@ -648,7 +648,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         .nbuckets = buckets(&d->cfg, bucket_list),
         .max_inline_bytes = d->cfg.limits.max_inline_bytes,
     };
-    int rc = kd_backend_create(loop, &bc, on_batch_done, d, &d->backend, err, errlen);
+    int rc = kd_backend_create(loop, &bc, on_batch_done, NULL, d, &d->backend, err, errlen);
     if (rc != KP_OK)
         return rc == KP_E_NOT_SUPPORTED ? KD_EXIT_UNAVAILABLE : KD_EXIT_FAILURE;
     if (kd_pool_init(&d->pool, d->cfg.slots, (uint32_t)random_u64()) != KP_OK ||

@@ -163,7 +163,7 @@ static kd_backend *cpu_backend(uv_loop_t *loop, kda_dtype dtype)
                             .slots = 4, .dtype = dtype};
     kd_backend *b;
     char err[256];
-    if (kd_backend_create(loop, &bc, on_done, NULL, &b, err, sizeof(err)) != KP_OK)
+    if (kd_backend_create(loop, &bc, on_done, NULL, NULL, &b, err, sizeof(err)) != KP_OK)
         fail_msg("%s", err);
     assert_string_equal(b->info.name, "cpu");
     return b;
@@ -178,10 +178,12 @@ static void run(uv_loop_t *loop, kd_backend *b, kd_slot_op *ops, uint32_t n)
     int before = done_count;
     assert_int_equal(kd_backend_submit(b, &batch, NULL), KP_OK);
     assert_int_equal(b->inflight, 1);
+    assert_int_equal(b->on_device, 1); /* the worker is the cpu backend's device */
     while (done_count == before)
         uv_run(loop, UV_RUN_ONCE);
     assert_int_equal(batch.status, KD_BATCH_OK);
     assert_int_equal(b->inflight, 0);
+    assert_int_equal(b->on_device, 0);
 }
 
 static void test_cpu_slot_operations(void **unused)
