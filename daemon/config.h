@@ -79,6 +79,9 @@ typedef struct kd_config {
     uint32_t ngraph_buckets;    /* 0 in the file = powers of two up to max_batch_seqs */
     uint32_t max_queued_requests;
     uint32_t spin_us;           /* the loop polls this long after answering a batch [reload] */
+    bool hold_while_busy;       /* hold.h [reload] */
+    uint32_t hold_fill_percent; /* 1..100 [reload] */
+    uint32_t hold_max_us;       /* [reload] */
     /* clients [reload] */
     uint32_t max_connections;
     uint32_t max_connections_per_uid;     /* quota.h */

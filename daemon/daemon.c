@@ -72,6 +72,13 @@ static kd_run *new_run(kd_job **jobs, size_t n)
     return run;
 }
 
+static kd_sched_limits batch_limits(const kd_daemon *d)
+{
+    const kp_limits *l = &d->session.limits;
+    return (kd_sched_limits){l->max_batch_tokens, l->max_batch_seqs,
+                             d->backend->info.max_stage_in, d->backend->info.max_stage_out};
+}
+
 /* Forms one batch and hands it to the backend; false when nothing was runnable. */
 static bool form_and_submit(kd_daemon *d)
 {
@@ -84,8 +91,7 @@ static bool form_and_submit(kd_daemon *d)
         d->form_scratch = v;
         d->form_cap = cap;
     }
-    kd_sched_limits lim = {l->max_batch_tokens, l->max_batch_seqs, d->backend->info.max_stage_in,
-                           d->backend->info.max_stage_out};
+    kd_sched_limits lim = batch_limits(d);
     size_t n = kd_sched_form(&d->sched, &lim, d->form_scratch, cap);
     if (n == 0)
         return false;
@@ -131,6 +137,57 @@ static bool form_and_submit(kd_daemon *d)
     return true;
 }
 
+static kd_hold_policy hold_policy(const kd_daemon *d)
+{
+    return (kd_hold_policy){d->cfg.hold_while_busy, d->cfg.hold_fill_percent, d->cfg.hold_max_us};
+}
+
+/* Whether the next batch waits for the device to finish (hold.h). */
+static bool hold_next(kd_daemon *d)
+{
+    kd_hold_policy p = hold_policy(d);
+    kd_sched_limits lim = batch_limits(d);
+    kd_hold_verdict v = kd_hold_next(&d->hold, &p, d->backend->on_device > 0,
+                                     &d->sched.runnable, &lim, uv_hrtime());
+    if (v == KD_HOLD_BEGIN)
+        d->stats.batches_held++;
+    return v != KD_HOLD_GO;
+}
+
+/*
+ * A held batch's deadline (batching.hold_max_us).  The check handle looks on
+ * every turn of the loop: to the microsecond while the loop is awake (in
+ * poll mode it is, while cuda batches run).  The timer wakes a sleeping
+ * loop; libuv counts it in whole milliseconds of a clock read once per
+ * turn, so it may fire early: the pump then sets it again for what is left.
+ */
+static void on_hold_check(uv_check_t *h)
+{
+    kd_daemon *d = h->data;
+    kd_hold_policy p = hold_policy(d);
+    if (uv_hrtime() >= kd_hold_deadline(&d->hold, &p))
+        kd_daemon_pump(d);
+}
+
+static void on_hold_timer(uv_timer_t *t)
+{
+    kd_daemon_pump(t->data);
+}
+
+static void arm_hold(kd_daemon *d)
+{
+    if (!d->hold.holding || d->fatal) {
+        uv_timer_stop(&d->hold_timer);
+        uv_check_stop(&d->hold_check);
+        return;
+    }
+    kd_hold_policy p = hold_policy(d);
+    uint64_t now = uv_hrtime(), due = kd_hold_deadline(&d->hold, &p);
+    uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
+    uv_timer_start(&d->hold_timer, on_hold_timer, ms, 0);
+    uv_check_start(&d->hold_check, on_hold_check);
+}
+
 void kd_daemon_pump(kd_daemon *d)
 {
     if (d->pumping) {
@@ -143,11 +200,19 @@ void kd_daemon_pump(kd_daemon *d)
         kd_job *j;
         while ((j = kd_sched_next_host(&d->sched)))
             kd_exec_host(REQ_OF(j));
-        while (!d->fatal && d->backend->inflight < d->backend->info.depth && form_and_submit(d))
+        while (!d->fatal && d->backend->inflight < d->backend->info.depth && !hold_next(d) &&
+               form_and_submit(d))
             ;
     } while (d->pump_again);
     d->pumping = false;
+    arm_hold(d);
     maybe_finish_drain(d);
+}
+
+/* The device finished its last batch while that one still unstages. */
+static void on_device_idle(void *ctx)
+{
+    kd_daemon_pump(ctx);
 }
 
 /*
@@ -444,6 +509,8 @@ static void close_handles(kd_daemon *d)
     uv_close((uv_handle_t *)&d->metrics, NULL);
     uv_close((uv_handle_t *)&d->input_idle, NULL);
     uv_close((uv_handle_t *)&d->spin, NULL);
+    uv_close((uv_handle_t *)&d->hold_timer, NULL);
+    uv_close((uv_handle_t *)&d->hold_check, NULL);
     if (d->watchdog_on)
         kd_watchdog_close(&d->watchdog);
     kd_layers_destroy(&d->layers);
@@ -648,7 +715,8 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         .nbuckets = buckets(&d->cfg, bucket_list),
         .max_inline_bytes = d->cfg.limits.max_inline_bytes,
     };
-    int rc = kd_backend_create(loop, &bc, on_batch_done, NULL, d, &d->backend, err, errlen);
+    int rc = kd_backend_create(loop, &bc, on_batch_done, on_device_idle, d, &d->backend, err,
+                               errlen);
     if (rc != KP_OK)
         return rc == KP_E_NOT_SUPPORTED ? KD_EXIT_UNAVAILABLE : KD_EXIT_FAILURE;
     if (kd_pool_init(&d->pool, d->cfg.slots, (uint32_t)random_u64()) != KP_OK ||
@@ -665,7 +733,10 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
     uv_timer_init(loop, &d->metrics);
     uv_idle_init(loop, &d->input_idle);
     uv_idle_init(loop, &d->spin);
+    uv_timer_init(loop, &d->hold_timer);
+    uv_check_init(loop, &d->hold_check);
     d->housekeeping.data = d->metrics.data = d->input_idle.data = d->spin.data = d;
+    d->hold_timer.data = d->hold_check.data = d;
     uv_timer_start(&d->housekeeping, on_housekeeping, KD_HOUSEKEEPING_MS, KD_HOUSEKEEPING_MS);
     start_metrics(d);
     return KD_EXIT_OK;

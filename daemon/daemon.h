@@ -13,9 +13,11 @@
  * (one at a time on cpu, two on cuda so batch k+1 is prepared while batch k
  * runs), the scheduler forms one from every runnable job within the batch
  * limits, exec.c prepares each job (run-time checks, descriptors, slot
- * operations), and the backend gets the batch.  A lone request is launched
- * at once; nothing waits for a batch to fill.  Host jobs (slot.free,
- * slot.reset) run as soon as they are runnable.
+ * operations), and the backend gets the batch.  On an idle device a lone
+ * request is launched at once; while a batch executes there, a small next
+ * batch is held back until the device finishes, it fills up, or its
+ * deadline passes (hold.h).  Host jobs (slot.free, slot.reset) run as soon
+ * as they are runnable.
  *
  * Lifecycle: init (config, backend, pool, layers) -> listen -> run ->
  * drain (SIGTERM/SIGINT: stop accepting, finish admitted work, goodbye,
@@ -33,6 +35,7 @@
 #include "backend.h"
 #include "config.h"
 #include "conn.h"
+#include "hold.h"
 #include "layer.h"
 #include "notify.h"
 #include "pool.h"
@@ -69,6 +72,9 @@ struct kd_daemon {
     uint64_t spin_until_ns;
 
     kd_run *runs;              /* batches in flight */
+    kd_hold hold;              /* the next batch, held while the device is busy */
+    uv_timer_t hold_timer;     /* its deadline, for a sleeping loop */
+    uv_check_t hold_check;     /* its deadline, on every turn of an awake loop */
     kd_job **form_scratch;     /* kd_sched_form's output */
     size_t form_cap;
     bool pumping;              /* kd_daemon_pump is on the stack */

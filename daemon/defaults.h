@@ -39,6 +39,8 @@
 #define KD_DEFAULT_MAX_QUEUED_REQUESTS 4096u     /* batching.max_queued_requests, daemon-wide */
 #define KD_MAX_GRAPH_BUCKETS 32                  /* fixed: entries of batching.graph_buckets */
 #define KD_DEFAULT_SPIN_US 200u                  /* batching.spin_us: the loop polls after answering */
+#define KD_DEFAULT_HOLD_FILL_PERCENT 50u         /* batching.hold_fill_percent: a held batch this full goes */
+#define KD_DEFAULT_HOLD_MAX_US 1000u             /* batching.hold_max_us: the longest a batch is held */
 
 /* I/O per wakeup: a busy connection yields the loop to the others after this much. */
 #define KD_READ_BUDGET_BYTES (8u << 20)          /* fixed */

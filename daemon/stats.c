@@ -216,6 +216,9 @@ char *kd_stats_prometheus(const kd_stats *s, const kd_stats_gauges *g, uint64_t 
     fprintf(f, "kdad_requests_total %llu\n", (unsigned long long)r->requests);
     METRIC("batches_total", "counter", "Backend launches.");
     fprintf(f, "kdad_batches_total %llu\n", (unsigned long long)r->batches);
+    METRIC("batches_held_total", "counter",
+           "Batches held back while the device was busy (batching.hold_while_busy).");
+    fprintf(f, "kdad_batches_held_total %llu\n", (unsigned long long)s->batches_held);
     METRIC("sequences_total", "counter", "Prefill sequences completed.");
     fprintf(f, "kdad_sequences_total %llu\n", (unsigned long long)r->seqs);
     METRIC("tokens_total", "counter", "Prefill tokens completed.");

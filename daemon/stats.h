@@ -94,6 +94,7 @@ typedef struct kd_stats {
     uint64_t connections_total;
     uint64_t requests;
     uint64_t batches;
+    uint64_t batches_held;     /* held back while the device was busy (hold.h) */
     uint64_t seqs;
     uint64_t tokens;
     uint64_t errors[KD_ERROR_SLOTS];   /* by -code */

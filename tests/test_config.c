@@ -68,6 +68,9 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.ngraph_buckets, 0);
     assert_int_equal(c.max_queued_requests, KD_DEFAULT_MAX_QUEUED_REQUESTS);
     assert_int_equal(c.spin_us, KD_DEFAULT_SPIN_US);
+    assert_true(c.hold_while_busy);
+    assert_int_equal(c.hold_fill_percent, KD_DEFAULT_HOLD_FILL_PERCENT);
+    assert_int_equal(c.hold_max_us, KD_DEFAULT_HOLD_MAX_US);
     assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
     assert_int_equal(c.max_connections_per_uid, KD_DEFAULT_MAX_CONNECTIONS_PER_UID);
     assert_int_equal(c.max_inflight_bytes_per_uid, KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID);
@@ -93,7 +96,8 @@ static void test_builtin_default(void **unused)
         "max_batch_tokens:", "max_batch_seqs:", "max_seqs_per_request:",
         "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
         "max_inflight_bytes:", "max_layers:", "batching:", "graph_buckets:",
-        "max_queued_requests:", "spin_us:", "clients:", "max_connections:", "max_connections_per_uid:",
+        "max_queued_requests:", "spin_us:", "hold_while_busy:", "hold_fill_percent:",
+        "hold_max_us:", "clients:", "max_connections:", "max_connections_per_uid:",
         "max_inflight_bytes_per_uid:", "max_inflight_bytes_total:", "output_hard_limit:",
         "output_soft_limit:", "output_soft_seconds:", "transports:", "shm:", "cuda_ipc:",
         "layers:", "lower_bound:", "scale:", "A_log:", "dt_bias:", "file:", "log:", "level:",
@@ -117,6 +121,7 @@ static void test_file_over_default(void **unused)
                        "limits:\n  max_frame_bytes: 64MiB\n  max_inline_bytes: 32MiB\n"
                        "  max_batch_seqs: 300\n  max_seqs_per_request: 100\n"
                        "batching:\n  graph_buckets: [1, 16, 512]\n  spin_us: 0\n"
+                       "  hold_while_busy: false\n  hold_fill_percent: 100\n  hold_max_us: 250\n"
                        "clients:\n  output_hard_limit: 128MiB\n  output_soft_limit: 64MiB\n"
                        "log:\n  level: debug\n";
     if (load(&c, text) != 0)
@@ -137,6 +142,9 @@ static void test_file_over_default(void **unused)
     assert_int_equal(c.ngraph_buckets, 3);
     assert_int_equal(c.graph_buckets[2], 512);
     assert_int_equal(c.spin_us, 0);
+    assert_false(c.hold_while_busy);
+    assert_int_equal(c.hold_fill_percent, 100);
+    assert_int_equal(c.hold_max_us, 250);
     assert_int_equal(c.log_level, KD_LOG_DEBUG);
     /* untouched keys keep the default */
     assert_int_equal(c.slots, 256);
@@ -193,6 +201,12 @@ static void test_bad_values_name_the_place(void **unused)
             "+ 4: one response could never be sent");
     refused("batching:\n  spin_us: 200000\n",
             "t.yaml:2:12: batching.spin_us: 200000 is outside [0, 100000]");
+    refused("batching:\n  hold_fill_percent: 0\n",
+            "t.yaml:2:22: batching.hold_fill_percent: 0 is outside [1, 100]");
+    refused("batching:\n  hold_max_us: 0\n",
+            "t.yaml:2:16: batching.hold_max_us: 0 is outside [1, 1000000]");
+    refused("batching:\n  hold_while_busy: 1\n",
+            "t.yaml:2:20: batching.hold_while_busy: \"1\" is not true or false");
     refused("batching:\n  graph_buckets: [1, 4, 2]\n",
             "t.yaml:2:18: batching.graph_buckets: buckets must be strictly increasing (2 after "
             "4)");

@@ -1,15 +1,26 @@
 /*
  * test_hold.c - holding the next batch while the device is busy: the policy
- * (daemon/hold.c) against the real scheduler and a made-up clock.
+ * (daemon/hold.c) against the real scheduler and a made-up clock; then the
+ * engine in-process (daemon.c): a kdad daemon object whose backend is the
+ * cpu one with its device replaced by a two-deep fake that the test
+ * finishes by hand, fed prefill requests over a socketpair.
  */
+#define _GNU_SOURCE
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 
 #include <cmocka.h>
 
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include "daemon.h"
 #include "hold.h"
 #include "sched.h"
 
@@ -164,6 +175,339 @@ static void test_off_or_nothing_to_hold(void **state)
     assert_false(f->h.holding);
 }
 
+/* ---------------------------------------------------------------------- */
+/* The engine, with a fake device                                         */
+/* ---------------------------------------------------------------------- */
+
+#define HEADS 2
+#define NSLOTS 8
+#define SMALL 8    /* tokens: a small request */
+#define BIG 128    /* tokens: 50% of max_batch_tokens */
+#define MAX_BATCHES 8
+
+static const char yaml[] = "heads: 2\nslots: 8\ncpu_threads: 1\n"
+                           "limits:\n  max_batch_tokens: 256\n"
+                           "batching:\n  hold_max_us: 1000000\n";
+
+typedef struct engine_fixture {
+    uv_loop_t loop;
+    kd_daemon d;
+    kd_backend_ops ops;             /* the cpu backend's, submit replaced */
+    kd_batch *batch[MAX_BATCHES];   /* submitted to the fake device, in order */
+    uint64_t submitted_ns[MAX_BATCHES];
+    bool completed[MAX_BATCHES];
+    uint32_t nbatches;
+    int fd;                         /* the client's end */
+    kp_reader reader;
+    kp_writer w;
+    kp_msg msg;
+    uint8_t *body;
+    uint64_t slot[NSLOTS];
+    uint8_t zeros[BIG * HEADS * 128 * 2]; /* every input tensor */
+} engine_fixture;
+
+static engine_fixture *current;
+
+/* The fake device: it starts every batch at once and finishes when told. */
+static int fake_submit(kd_backend *b, kd_batch *batch, kp_error *err)
+{
+    engine_fixture *f = current;
+    assert_true(f->nbatches < MAX_BATCHES);
+    f->submitted_ns[f->nbatches] = uv_hrtime();
+    f->batch[f->nbatches++] = batch;
+    kd_backend_launched(b, batch);
+    return KP_OK;
+}
+
+static void write_all(engine_fixture *f, const uint8_t *p, size_t n)
+{
+    while (n) {
+        ssize_t w = write(f->fd, p, n);
+        if (w < 0 && errno == EAGAIN) {
+            uv_run(&f->loop, UV_RUN_NOWAIT);
+            continue;
+        }
+        assert_true(w > 0);
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+static void send_frame(engine_fixture *f)
+{
+    uint8_t *frame;
+    size_t len;
+    assert_int_equal(kp_writer_flatten(&f->w, &frame, &len, NULL), KP_OK);
+    write_all(f, frame, len);
+    free(frame);
+}
+
+/* Turns the loop until the daemon has read and admitted what was sent. */
+static void settle(engine_fixture *f)
+{
+    for (int i = 0; i < 100; i++)
+        uv_run(&f->loop, UV_RUN_NOWAIT);
+}
+
+/* Runs the loop until a response arrives; checks it is a success and returns its id. */
+static uint32_t recv_ok(engine_fixture *f)
+{
+    kp_msg_close(&f->msg);
+    free(f->body);
+    f->body = NULL;
+    for (int spins = 0; spins < 100000; spins++) {
+        uv_run(&f->loop, UV_RUN_NOWAIT);
+        uint8_t *buf;
+        size_t space = kp_reader_space(&f->reader, &buf);
+        ssize_t n = recv(f->fd, buf, space, MSG_DONTWAIT);
+        if (n <= 0) {
+            assert_true(n < 0 && errno == EAGAIN);
+            poll(&(struct pollfd){f->fd, POLLIN, 0}, 1, 1);
+            continue;
+        }
+        kp_error e;
+        int rc = kp_reader_commit(&f->reader, (size_t)n, &e);
+        assert_true(rc >= 0);
+        if (rc != KP_READ_FRAME)
+            continue;
+        size_t len;
+        f->body = kp_reader_take(&f->reader, &len);
+        assert_int_equal(kp_msg_decode(&f->msg, f->body, len, UINT32_MAX, &e), KP_OK);
+        assert_int_equal(f->msg.kind, KP_MSG_RESPONSE);
+        if (f->msg.error)
+            fail_msg("request %u failed", f->msg.id);
+        return f->msg.id;
+    }
+    fail_msg("no response from the daemon");
+    return 0;
+}
+
+/* Expects the responses to ids[0..n), in any order. */
+static void expect_answers(engine_fixture *f, const uint32_t *ids, int n)
+{
+    uint32_t seen = 0;
+    for (int k = 0; k < n; k++) {
+        uint32_t id = recv_ok(f);
+        int i = 0;
+        while (i < n && ids[i] != id)
+            i++;
+        assert_true(i < n && !(seen & (1u << i)));
+        seen |= 1u << i;
+    }
+}
+
+static void send_prefill(engine_fixture *f, uint32_t id, int slot, uint32_t len)
+{
+    uint64_t tb = kp_token_tensor_bytes(len, HEADS);
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.slot = f->slot[slot];
+    q.len = len;
+    q.q = q.k = q.v = q.g = kp_ref_inline(f->zeros, tb);
+    q.beta = kp_ref_inline(f->zeros, kp_beta_bytes(len, HEADS));
+    kp_prefill_params p = {"l", &q, 1};
+    assert_int_equal(kp_prefill_params_encode(&f->w, id, &p, NULL), KP_OK);
+    send_frame(f);
+}
+
+/* The fake device finished batch i; its outputs are still on their way back. */
+static void device_done(engine_fixture *f, uint32_t i)
+{
+    kd_backend_device_done(f->d.backend, f->batch[i]);
+}
+
+/* Batch i is done: its requests are answered. */
+static void complete(engine_fixture *f, uint32_t i)
+{
+    assert_false(f->completed[i]);
+    f->completed[i] = true;
+    kd_backend_complete(f->d.backend, f->batch[i]);
+}
+
+static int engine_setup(void **state)
+{
+    engine_fixture *f = calloc(1, sizeof(*f));
+    current = f;
+    char err[KD_CONFIG_ERR_MAX];
+    kd_config cfg;
+    assert_int_equal(uv_loop_init(&f->loop), 0);
+    if (kd_config_load_text(&cfg, "test", yaml, strlen(yaml), err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    cfg.backend = KD_BACKEND_CPU;
+    if (kd_daemon_init(&f->d, &f->loop, &cfg, NULL, NULL, err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    f->ops = *f->d.backend->ops;
+    f->ops.submit = fake_submit;
+    f->d.backend->ops = &f->ops;
+    f->d.backend->info.depth = 2; /* as cuda: the next batch may go while one runs */
+
+    int sv[2];
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    assert_int_equal(fcntl(sv[0], F_SETFL, O_NONBLOCK), 0);
+    assert_int_equal(fcntl(sv[1], F_SETFL, O_NONBLOCK), 0);
+    kd_peer peer = {getpid(), getuid(), getgid()};
+    f->fd = sv[1];
+    assert_non_null(kd_conn_new(&f->d, sv[0], &peer));
+    kp_reader_init(&f->reader, UINT32_MAX);
+    assert_int_equal(kp_writer_init(&f->w, UINT32_MAX), KP_OK);
+    kp_msg_init(&f->msg);
+
+    kp_hello_params hp = {{1}, 1, NULL};
+    assert_int_equal(kp_hello_params_encode(&f->w, 1, &hp, NULL), KP_OK);
+    send_frame(f);
+    assert_int_equal(recv_ok(f), 1);
+    float a_log[HEADS] = {0}, dt_bias[HEADS * 128] = {0};
+    kp_layer_register_params lp = {"l", kp_ref_inline(a_log, sizeof(a_log)),
+                                   kp_ref_inline(dt_bias, sizeof(dt_bias)), -5.0f,
+                                   KP_DEFAULT_SCALE};
+    assert_int_equal(kp_layer_register_params_encode(&f->w, 2, &lp, NULL), KP_OK);
+    send_frame(f);
+    assert_int_equal(recv_ok(f), 2);
+    kp_slot_alloc_params ap = {NSLOTS, true};
+    assert_int_equal(kp_slot_alloc_params_encode(&f->w, 3, &ap, NULL), KP_OK);
+    send_frame(f);
+    assert_int_equal(recv_ok(f), 3);
+    kp_slot_list sl;
+    assert_int_equal(kp_slot_alloc_result_decode(&f->msg, &sl, NULL), KP_OK);
+    memcpy(f->slot, sl.slots, sizeof(f->slot));
+    *state = f;
+    return 0;
+}
+
+static int engine_teardown(void **state)
+{
+    engine_fixture *f = *state;
+    for (uint32_t i = 0; i < f->nbatches; i++) {
+        if (!f->completed[i])
+            complete(f, i);
+    }
+    close(f->fd);
+    kd_daemon_drain(&f->d);
+    uv_run(&f->loop, UV_RUN_DEFAULT);
+    kd_daemon_destroy(&f->d);
+    assert_int_equal(uv_loop_close(&f->loop), 0); /* every handle closed */
+    kp_reader_close(&f->reader);
+    kp_writer_close(&f->w);
+    kp_msg_close(&f->msg);
+    free(f->body);
+    free(f);
+    current = NULL;
+    return 0;
+}
+
+/* One batch runs; three small requests arrive meanwhile: they are held, and
+ * go together, in one batch, when it completes. */
+static void test_held_until_the_running_batch_completes(void **state)
+{
+    engine_fixture *f = *state;
+    send_prefill(f, 10, 0, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 1); /* the device was idle: at once */
+    for (uint32_t id = 11; id <= 13; id++)
+        send_prefill(f, id, (int)id - 10, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 1);
+    assert_int_equal(f->d.sched.queued, 3);
+    assert_int_equal(f->d.stats.batches_held, 1);
+
+    complete(f, 0);
+    assert_int_equal(f->nbatches, 2);
+    assert_int_equal(f->batch[1]->nseqs, 3);
+    assert_int_equal(recv_ok(f), 10);
+    complete(f, 1);
+    expect_answers(f, (const uint32_t[]){11, 12, 13}, 3);
+    assert_int_equal(f->d.stats.batches, 2);
+}
+
+/* The device finishing is what counts: a held batch goes while the one
+ * before it still copies its outputs back. */
+static void test_held_until_the_device_finishes(void **state)
+{
+    engine_fixture *f = *state;
+    send_prefill(f, 10, 0, SMALL);
+    settle(f);
+    send_prefill(f, 11, 1, SMALL);
+    send_prefill(f, 12, 2, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 1);
+    device_done(f, 0);
+    assert_int_equal(f->nbatches, 2);
+    assert_int_equal(f->batch[1]->nseqs, 2);
+    assert_int_equal(f->d.backend->inflight, 2);
+    complete(f, 0);
+    complete(f, 1);
+    expect_answers(f, (const uint32_t[]){10, 11, 12}, 3);
+}
+
+/* A batch that fills hold_fill_percent (50%) of max_batch_tokens is not held,
+ * and takes what was held with it. */
+static void test_big_batch_not_held(void **state)
+{
+    engine_fixture *f = *state;
+    send_prefill(f, 10, 0, SMALL);
+    settle(f);
+    send_prefill(f, 11, 1, BIG);
+    settle(f);
+    assert_int_equal(f->nbatches, 2); /* at once, while batch 0 runs */
+    assert_int_equal(f->d.stats.batches_held, 0);
+    complete(f, 0);
+    complete(f, 1);
+    expect_answers(f, (const uint32_t[]){10, 11}, 2);
+
+    send_prefill(f, 12, 2, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 3); /* the device is idle */
+    send_prefill(f, 13, 3, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 3);
+    assert_int_equal(f->d.stats.batches_held, 1);
+    send_prefill(f, 14, 4, BIG - SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 4);
+    assert_int_equal(f->batch[3]->nseqs, 2);
+    complete(f, 2);
+    complete(f, 3);
+    expect_answers(f, (const uint32_t[]){12, 13, 14}, 3);
+}
+
+/* A batch is held hold_max_us at most, even if the device never finishes. */
+static void test_hold_max_us(void **state)
+{
+    engine_fixture *f = *state;
+    f->d.cfg.hold_max_us = 20000;
+    send_prefill(f, 10, 0, SMALL);
+    settle(f);
+    uint64_t sent = uv_hrtime();
+    send_prefill(f, 11, 1, SMALL);
+    while (f->nbatches < 2) {
+        uv_run(&f->loop, UV_RUN_ONCE);
+        assert_true(uv_hrtime() - sent < 10ull * 1000 * 1000 * 1000);
+    }
+    uint64_t held = f->submitted_ns[1] - sent;
+    assert_true(held >= 20000 * US);
+    assert_false(f->completed[0]);
+    assert_int_equal(f->d.stats.batches_held, 1);
+    complete(f, 0);
+    complete(f, 1);
+    expect_answers(f, (const uint32_t[]){10, 11}, 2);
+}
+
+/* batching.hold_while_busy: false launches the next batch behind the running one. */
+static void test_hold_off(void **state)
+{
+    engine_fixture *f = *state;
+    f->d.cfg.hold_while_busy = false;
+    send_prefill(f, 10, 0, SMALL);
+    settle(f);
+    send_prefill(f, 11, 1, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 2);
+    assert_int_equal(f->d.stats.batches_held, 0);
+    complete(f, 0);
+    complete(f, 1);
+    expect_answers(f, (const uint32_t[]){10, 11}, 2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -175,6 +519,13 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_latency_bound, policy_setup, policy_teardown),
         cmocka_unit_test_setup_teardown(test_off_or_nothing_to_hold, policy_setup,
                                         policy_teardown),
+        cmocka_unit_test_setup_teardown(test_held_until_the_running_batch_completes,
+                                        engine_setup, engine_teardown),
+        cmocka_unit_test_setup_teardown(test_held_until_the_device_finishes, engine_setup,
+                                        engine_teardown),
+        cmocka_unit_test_setup_teardown(test_big_batch_not_held, engine_setup, engine_teardown),
+        cmocka_unit_test_setup_teardown(test_hold_max_us, engine_setup, engine_teardown),
+        cmocka_unit_test_setup_teardown(test_hold_off, engine_setup, engine_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
