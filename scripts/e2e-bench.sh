@@ -13,7 +13,9 @@
 #
 # Variants: "poll" is bench/e2e-h200.yaml as it is (cuda_completion: poll, the
 # default); "block" repeats the CUDA IPC latency rows and the 8-client row with
-# cuda_completion: block.  E2E_ONLY=nobatch runs only the batching-off rows,
+# cuda_completion: block; "spin" repeats them with clients that poll their
+# socket for 200 us before sleeping (kdactl bench --spin); "depth2" is the
+# 8-client row with two requests in flight per client.  E2E_ONLY=nobatch runs only the batching-off rows,
 # E2E_ONLY=ipc only the CUDA IPC rows (both variants), for quick checks.
 set -uo pipefail
 bin=${1:?usage: e2e-bench.sh BIN_DIR}
@@ -111,6 +113,22 @@ if [ -z "$only" ] || [ "$only" = ipc ]; then
   stop_kdad
   variant=poll
   rm -f "$block_cfg"
+fi
+
+# The client side: spinning instead of sleeping, and clients with two requests in flight.
+if [ -z "$only" ] || [ "$only" = ipc ]; then
+  start_kdad 96 bench/e2e-h200.yaml || exit 1
+  variant=spin
+  for t in cuda-ipc; do
+    measure "H96 fixed 8192" --lengths 8192 --transport $t --requests 20 --warmup 2 --spin 200
+    measure "H96 mixed" --lengths "$mixed" --transport $t --requests 20 --warmup 2 --spin 200
+    measure "H96 uniform 8x1024" --lengths "$uniform" --transport $t --requests 20 --warmup 2 --spin 200
+  done
+  variant=depth2
+  measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients 8 --depth 2 \
+    --requests 200 --transport cuda-ipc
+  variant=poll
+  stop_kdad
 fi
 
 if [ -z "$only" ] || [ "$only" = nobatch ]; then

@@ -18,7 +18,9 @@ Every row also carries where the daemon's time went:
   batch_phases_us                          per phase, the mean over the
       measurement's batches (from the stats batch_us sums before and after it):
       form, stage, launch, wait, notice, unstage, reply, total, device, kernel, host
-  variant                                  the cuda_completion mode ("poll", "block")
+  variant                                  "poll", "block" (cuda_completion), "spin" (clients
+                                           spin 200 us before sleeping), "depth2" (two
+                                           requests in flight per client)
 The second table splits each latency row's overhead over the bare kernel into
   client (e2e - run - queue: socket, client, admission),
   queue (arrival to launch: formation, staging), run - device (launch and the

@@ -4,7 +4,8 @@
  * (KDAC_WRITABLE), pipelined requests answered out of order and matched by
  * id, and every way a connection can fail under requests in flight: the
  * daemon vanishing, a goodbye, oversized frames either way, an answer to an
- * unknown id, close with requests pending, and calls a callback may not make.
+ * unknown id, close with requests pending, and calls a callback may not make;
+ * blocking calls that spin before they sleep (kdac_client_set_spin).
  * The daemon is the in-process fake (fake_kdad.h); its H is FAKE_HEADS.
  */
 #include <setjmp.h>
@@ -13,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -520,6 +522,81 @@ static void test_callback_reentry(void **state)
     assert_int_equal(fake_stop(s), 0);
 }
 
+/* ---------------------------------------------------------------------- */
+/* Spinning before sleeping                                                */
+/* ---------------------------------------------------------------------- */
+
+static double mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* Answers health requests, each after *(int *)arg milliseconds, until EOF. */
+static void script_slow_health(fake_conn *fc, void *arg)
+{
+    fake_hello(fc);
+    for (int i = 0; i < 2; i++) {
+        uint32_t id = fake_expect(fc, KP_METHOD_HEALTH);
+        usleep((useconds_t)(*(int *)arg * 1000));
+        kp_health_result h = {KP_HEALTH_OK, 1, 0, 0};
+        kp_error e;
+        if (fake_check(fc, kp_health_result_encode(&fc->w, id, &h, &e) == KP_OK, "%s",
+                       e.message))
+            fake_send(fc);
+    }
+    fake_wait_eof(fc);
+}
+
+/* Answers that come while the call spins, and after it gave up spinning, both complete. */
+static void test_spin_then_sleep(void **state)
+{
+    int delay_ms = 20;
+    fake_server *s = fake_start(script_slow_health, &delay_ms);
+    kdac_client *c;
+    kdac_error err;
+    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
+    kdac_health_info h;
+    assert_int_equal(kdac_client_set_spin(c, 200000, &err), KDAC_OK); /* answer within the spin */
+    assert_int_equal(kdac_health(c, &h, &err), KDAC_OK);
+    assert_int_equal(kdac_client_set_spin(c, 1000, &err), KDAC_OK); /* answer after it */
+    assert_int_equal(kdac_health(c, &h, &err), KDAC_OK);
+    kdac_client_close(c);
+    assert_int_equal(fake_stop(s), 0);
+}
+
+/* Reads n requests and answers none, until the client hangs up. */
+static void script_vanish_late(fake_conn *fc, void *arg)
+{
+    fake_hello(fc);
+    for (int i = 0; i < *(int *)arg; i++)
+        fake_read(fc);
+    fake_wait_eof(fc);
+}
+
+/* The call's timeout bounds the spin, and bad values are refused. */
+static void test_spin_bounded_by_timeout(void **state)
+{
+    int n = 1;
+    fake_server *s = fake_start(script_vanish_late, &n);
+    kdac_client *c;
+    kdac_error err;
+    assert_int_equal(fake_client_open(s, 100, &c, &err), KDAC_OK);
+    assert_int_equal(kdac_client_set_spin(c, -1, &err), KDAC_E_INVALID_ARGUMENT);
+    assert_contains(err.message, "spin_us");
+    assert_int_equal(kdac_client_set_spin(c, 1000001, &err), KDAC_E_INVALID_ARGUMENT);
+    assert_int_equal(kdac_client_set_spin(c, 1000000, &err), KDAC_OK);
+    kdac_health_info h;
+    const double t0 = mono_ms();
+    assert_int_equal(kdac_health(c, &h, &err), KDAC_E_TIMEOUT);
+    const double took = mono_ms() - t0;
+    if (took < 90 || took > 700)
+        fail_msg("a 100 ms timeout with a 1 s spin took %.0f ms", took);
+    kdac_client_close(c);
+    assert_int_equal(fake_stop(s), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -533,6 +610,8 @@ int main(void)
         cmocka_unit_test(test_answer_to_unknown_id),
         cmocka_unit_test(test_close_cancels),
         cmocka_unit_test(test_callback_reentry),
+        cmocka_unit_test(test_spin_then_sleep),
+        cmocka_unit_test(test_spin_bounded_by_timeout),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

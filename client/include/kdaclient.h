@@ -354,6 +354,18 @@ KDAC_EXPORT int kdac_client_events(const kdac_client *c);
  */
 KDAC_EXPORT int kdac_client_progress(kdac_client *c);
 
+/*
+ * Latency over CPU: the client's blocking calls keep reading the socket,
+ * without sleeping, for up to spin_us microseconds before they sleep in
+ * poll(2).  An answer that comes within that time is taken at once instead
+ * of after the scheduler wakes the sleeping thread (tens of microseconds on
+ * a loaded or virtual machine), for a core's time while waiting.  0 (the
+ * default) sleeps at once; at most 1000000.  Callers of the non-blocking
+ * form decide for themselves how long to poll.
+ * Errors: INVALID_ARGUMENT.
+ */
+KDAC_EXPORT int kdac_client_set_spin(kdac_client *c, int spin_us, kdac_error *err);
+
 /* Transfer state, for progress bars and flow control. */
 typedef struct kdac_io_status {
     uint32_t inflight;       /* requests sent or queued, not yet completed */

@@ -48,7 +48,10 @@ static const char bench_help[] =
     "  -x, --transport MODE   inline (default), shm (memfd regions) or cuda-ipc (device\n"
     "                         memory; needs a CUDA build and the daemon's cuda backend)\n"
     "  -w, --warmup W         untimed requests per connection first (default 1)\n"
-    "  -s, --seed X           seed of inputs and lengths (default 1)\n";
+    "  -s, --seed X           seed of inputs and lengths (default 1)\n"
+    "  -P, --spin US          after each answer, poll the sockets without sleeping for up to\n"
+    "                         US microseconds (default 0): no thread wake-up in the latency,\n"
+    "                         for a core's time (libkdaclient: kdac_client_set_spin)\n";
 
 typedef enum dist { DIST_FIXED, DIST_UNIFORM, DIST_MIXED, DIST_LIST } dist;
 static const char *const dist_names[] = {"fixed", "uniform", "mixed", "list"};
@@ -60,6 +63,7 @@ static const uint32_t mixed_lengths[] = {1300, 547, 2048, 963, 271, 3063}; /* me
 
 typedef struct bench_opts {
     uint64_t clients, depth, requests, tokens, seqs, warmup, seed;
+    uint64_t spin_us; /* poll the sockets without sleeping this long after each answer */
     double duration; /* 0: count mode */
     dist dist;
     bench_transport transport;
@@ -253,12 +257,17 @@ static int run_loop(bench *b)
     b->stop_at = b->start + b->o.duration;
     for (uint64_t i = 0; i < b->o.clients * b->o.depth && more_to_send(b); i++)
         submit(b, &b->reqs[i]);
+    double last_answer = now_s();
     while (b->done < b->sent) {
         rearm(b, ep);
         struct epoll_event evs[64];
-        int n = epoll_wait(ep, evs, 64, 100);
+        /* --spin: within spin_us of the last event, look without sleeping */
+        const bool spin = (now_s() - last_answer) * 1e6 < (double)b->o.spin_us;
+        int n = epoll_wait(ep, evs, 64, spin ? 0 : 100);
         for (int i = 0; i < n; i++)
             kdac_client_progress(((bench_client *)evs[i].data.ptr)->c);
+        if (n > 0)
+            last_answer = now_s();
         if (b->o.duration > 0)
             progress_update(&b->bar, (uint64_t)((now_s() - b->start) * 1000));
     }
@@ -412,6 +421,7 @@ static void report(bench *b, double seconds)
                                json_object_new_string(transport_names[b->o.transport]));
         json_object_object_add(o, "clients", json_u64(b->o.clients));
         json_object_object_add(o, "depth", json_u64(b->o.depth));
+        json_object_object_add(o, "spin_us", json_u64(b->o.spin_us));
         json_object_object_add(o, "seqs_per_request", json_u64(b->o.seqs));
         json_object_object_add(o, "dist", json_object_new_string(dist_names[b->o.dist]));
         if (b->o.dist == DIST_LIST) {
@@ -478,11 +488,11 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         {"dist", required_argument, NULL, 'l'},     {"seqs", required_argument, NULL, 'S'},
         {"transport", required_argument, NULL, 'x'}, {"warmup", required_argument, NULL, 'w'},
         {"seed", required_argument, NULL, 's'},     {"lengths", required_argument, NULL, 'L'},
-        {NULL, 0, NULL, 0}};
-    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, DIST_FIXED, BENCH_INLINE, {0}};
+        {"spin", required_argument, NULL, 'P'},     {NULL, 0, NULL, 0}};
+    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, 0, DIST_FIXED, BENCH_INLINE, {0}};
     bool has_requests = false, has_shape = false;
     int opt;
-    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:", opts, NULL)) != -1) {
+    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:P:", opts, NULL)) != -1) {
         uint64_t *target = NULL, max = 0, min = 1;
         switch (opt) {
         case 'h':
@@ -512,6 +522,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
             break;
         }
         case 'w': target = &o->warmup; max = 1000; min = 0; break;
+        case 'P': target = &o->spin_us; max = 1000000; min = 0; break;
         case 's': target = &o->seed; max = UINT64_MAX / 16; min = 0; break;
         case 'D':
             if (!parse_double(optarg, &o->duration) || o->duration <= 0 || o->duration > 86400)

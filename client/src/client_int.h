@@ -74,6 +74,7 @@ struct kdac_client {
     int fd;
     char path[KDAC_PATH_MAX];
     int timeout_ms;
+    int spin_us;              /* blocking calls read without sleeping this long first */
     kdac_server_info info;
     kp_session session;       /* geometry and limits for the codec */
     bool hello_done;

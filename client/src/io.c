@@ -515,16 +515,34 @@ void sync_cb(kdac_client *c, void *data, const kdac_result *res, int status)
     }
 }
 
-static int64_t now_ms(void)
+static int64_t now_us(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static int64_t now_ms(void) { return now_us() / 1000; }
+
+int kdac_client_set_spin(kdac_client *c, int spin_us, kdac_error *err)
+{
+    if (!c || spin_us < 0 || spin_us > 1000000)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "spin_us: %d is outside [0, 1000000]", spin_us);
+    c->spin_us = spin_us;
+    return KDAC_OK;
 }
 
 int sync_wait(kdac_client *c, sync_call *s, kdac_error *err)
 {
     int64_t deadline = c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1;
+    if (c->spin_us > 0) { /* read without sleeping first (kdac_client_set_spin), within the timeout */
+        int64_t spin_end = now_us() + c->spin_us;
+        if (deadline >= 0 && spin_end > deadline * 1000)
+            spin_end = deadline * 1000;
+        do
+            client_progress(c);
+        while (!s->done && now_us() < spin_end);
+    }
     for (;;) {
         client_progress(c);
         if (s->done)
