@@ -113,11 +113,11 @@ void bench_region_free(bench_region *r, kdac_client *c)
     memset(r, 0, sizeof(*r));
 }
 
-void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint32_t slot,
-                       kdac_seq *s)
+void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint64_t first,
+                       uint32_t slot, kdac_seq *s)
 {
     const bench_layout *l = &d->lay;
-    uint64_t at = kdac_token_bytes(j * d->max_len, d->heads);
+    uint64_t at = kdac_token_bytes(first, d->heads);
     uint64_t beta = l->beta + j * l->beta_stride;
     kdac_tensor *in[4] = {&s->q, &s->k, &s->v, &s->g};
     if (d->transport == BENCH_INLINE) {

@@ -9,9 +9,10 @@
  *             and its output blocks, registered by its CUDA IPC handle
  *             (bench_cuda.c; not supported when kdactl is built without CUDA).
  *
- * Layout of an image: q, k, v, g as [S * L][H][128] (sequence j of a request
- * uses tokens [j * L, j * L + len)), then S beta blocks of L * H bf16, each
- * 16-byte aligned, then the output blocks, each [S * L][H][128].
+ * Layout of an image: q, k, v, g as [S * L][H][128] (a request's sequences
+ * packed back to back from token 0, as a varlen batch holds them), then S
+ * beta blocks of L * H bf16, each 16-byte aligned, then the output blocks,
+ * each [S * L][H][128] and packed the same way.
  */
 #ifndef KDACTL_BENCH_BUFFERS_H
 #define KDACTL_BENCH_BUFFERS_H
@@ -59,9 +60,10 @@ int bench_region_init(bench_region *r, const bench_data *d, kdac_client *c, uint
                       uint32_t depth, kdac_error *err);
 void bench_region_free(bench_region *r, kdac_client *c);
 
-/* The tensors of sequence j of a request in flight slot `slot` of a client. */
-void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint32_t slot,
-                       kdac_seq *s);
+/* The tensors of sequence j of a request in flight slot `slot` of a client, whose tokens
+ * start at token `first` of the request (the lengths of the sequences before it). */
+void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint64_t first,
+                       uint32_t slot, kdac_seq *s);
 
 #ifdef KDACTL_WITH_CUDA
 /* bench_cuda.c: a device allocation of `bytes` on the GPU whose UUID is

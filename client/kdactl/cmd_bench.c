@@ -84,7 +84,7 @@ typedef struct bench_client {
 typedef struct bench_req {
     bench_client *bc;
     uint32_t slot;
-    uint32_t tokens;
+    uint64_t tokens;
     double t0;
     kdac_seq *seqs; /* [seqs] */
 } bench_req;
@@ -155,7 +155,8 @@ static bool more_to_send(const bench *b)
 
 static void done_cb(kdac_client *c, void *data, const kdac_result *res, int status);
 
-/* Fills request r's sequences with fresh lengths. */
+/* Fills request r's sequences with fresh lengths, packed back to back as in a varlen batch
+   (spread max_len apart, a mixed request spanned twice the addresses a real batch does). */
 static void fill_req(bench *b, bench_req *r)
 {
     r->tokens = 0;
@@ -164,7 +165,7 @@ static void fill_req(bench *b, bench_req *r)
         memset(s, 0, sizeof(*s));
         s->slot = r->bc->slots[r->slot * b->o.seqs + j];
         s->len = next_len(b, j);
-        bench_seq_tensors(&b->data, &r->bc->reg, j, r->slot, s);
+        bench_seq_tensors(&b->data, &r->bc->reg, j, r->tokens, r->slot, s);
         r->tokens += s->len;
     }
 }
