@@ -4,11 +4,12 @@
 # machine and carried in .device/ (see scripts/gpu-bundle.sh).  Full logs go
 # to $OUT; a short summary is printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [profile] [daemon] [e2e] [ab]
-#   (default: all but ab).  The daemon suites find kdad under the build directory they
-#   were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
+#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [profile] [daemon] [e2e] [ab] [vtests]
+#   (default: all but ab and vtests).  The daemon suites find kdad under the build directory
+#   they were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
 #   and every .device/bin/bench_kernel_* (scripts/kernel-variant.sh) twice,
-#   interleaved, on the six standard workloads.
+#   interleaved, on the six standard workloads; `vtests` runs every variant's
+#   .device/bin/test_cuda_kernel_*.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kdad-gpu}
@@ -40,6 +41,13 @@ for step in $steps; do
               done
               (exit $rc) ;;
     e2e)      OUT=$out timeout 500 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
+    vtests)   rc=0
+              for t in $bin/test_cuda_kernel_*; do
+                [ -x "$t" ] || continue
+                echo "== $(basename "$t")" >> "$out/vtests.log"
+                timeout 200 "$t" >> "$out/vtests.log" 2>&1 || rc=1
+              done
+              (exit $rc) ;;
     ab)       rc=0
               for round in 1 2; do
                 for b in $bin/bench_kernel $bin/bench_kernel_*; do
@@ -65,6 +73,7 @@ for step in $steps; do
     daemon)   grep -E 'PASSED|FAILED|SKIP|tests? run' "$out/daemon.log" | tail -12 ;;
     e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
     ab)       grep -E '^== |^H(96|64) (fixed 8192|mixed|uniform 8x1024) ' "$out/ab.log" | cut -c1-62 ;;
+    vtests)   grep -E '^== |^-- |FAILED|PASSED|clusters' "$out/vtests.log" | head -40 ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Builds the kernel benchmark of another version of the tree, for a same-call
-# A/B on the GPU host (H200 hosts differ by up to 1.5x between device calls,
-# so only binaries run in one call compare):
+# Builds the kernel benchmark and the kernel tests of another version of the
+# tree, for a same-call A/B on the GPU host (H200 hosts differ by up to 1.5x
+# between device calls, so only binaries run in one call compare):
 #
 #   scripts/kernel-variant.sh NAME [REF [PATCH]]
 #
 # checks out REF (default HEAD) in a temporary worktree, applies PATCH (a
-# `git diff` file) if given, builds bench_kernel with the same configuration
-# as scripts/gpu-bundle.sh and copies it to .device/bin/bench_kernel_NAME.
+# `git diff` file) if given, builds bench_kernel and test_cuda_kernel with the
+# same configuration as scripts/gpu-bundle.sh and copies them to
+# .device/bin/bench_kernel_NAME and .device/bin/test_cuda_kernel_NAME.
 # `scripts/gpu-check.sh ab` then runs bench_kernel and every variant, twice,
-# interleaved.  Example: the working tree against the last commit:
+# interleaved; `scripts/gpu-check.sh vtests` runs every variant's kernel tests.
+# Example: the working tree against the last commit:
 #   git diff > /tmp/wip.patch && scripts/kernel-variant.sh head HEAD
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,8 @@ trap 'git worktree remove --force "$tree" >/dev/null 2>&1 || true; rm -rf "$tree
 git worktree add -q --detach "$tree" "$ref"
 [ -z "$patch" ] || git -C "$tree" apply "$patch"
 cmake -S "$tree" -B "$tree/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$tree/build" -j"$(nproc)" --target bench_kernel >/dev/null
+cmake --build "$tree/build" -j"$(nproc)" --target bench_kernel test_cuda_kernel >/dev/null
 mkdir -p .device/bin
 cp "$tree/build/bench/bench_kernel" ".device/bin/bench_kernel_$name"
-echo ".device/bin/bench_kernel_$name ($(git rev-parse --short "$ref")${patch:+ + $(basename "$patch")})"
+cp "$tree/build/tests/test_cuda_kernel" ".device/bin/test_cuda_kernel_$name"
+echo ".device/bin/{bench_kernel,test_cuda_kernel}_$name ($(git rev-parse --short "$ref")${patch:+ + $(basename "$patch")})"
