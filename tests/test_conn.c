@@ -23,6 +23,7 @@
 
 #include "daemon.h"
 #include "dispatch.h"
+#include "loop_io.h"
 
 typedef struct fixture {
     uv_loop_t loop;
@@ -86,30 +87,15 @@ static int teardown(void **state)
     return 0;
 }
 
-/* Writes everything, running the daemon's loop whenever the socket is full
- * (the client end is non-blocking: the daemon reads only when its loop runs). */
+/* Writes everything, running the daemon's loop whenever the socket is full (loop_io.h). */
 static void write_to(fixture *f, int fd, const void *bytes, size_t n)
 {
-    const uint8_t *p = bytes;
-    while (n) {
-        ssize_t w = write(fd, p, n);
-        if (w < 0 && errno == EAGAIN) {
-            uv_run(&f->loop, UV_RUN_NOWAIT);
-            continue;
-        }
-        assert_true(w > 0);
-        p += w;
-        n -= (size_t)w;
-    }
+    loop_write_all(&f->loop, fd, bytes, n);
 }
 
 static void send_frame(fixture *f)
 {
-    uint8_t *frame;
-    size_t len;
-    assert_int_equal(kp_writer_flatten(&f->w, &frame, &len, NULL), KP_OK);
-    write_to(f, f->fd, frame, len);
-    free(frame);
+    loop_send_frame(&f->loop, f->fd, &f->w);
 }
 
 /* Runs the daemon's loop until a frame arrives on the client end; false at EOF. */

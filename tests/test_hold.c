@@ -23,6 +23,7 @@
 #include "daemon.h"
 #include "hold.h"
 #include "sched.h"
+#include "loop_io.h"
 
 /* ---------------------------------------------------------------------- */
 /* The policy                                                             */
@@ -219,27 +220,9 @@ static int fake_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     return KP_OK;
 }
 
-static void write_all(engine_fixture *f, const uint8_t *p, size_t n)
-{
-    while (n) {
-        ssize_t w = write(f->fd, p, n);
-        if (w < 0 && errno == EAGAIN) {
-            uv_run(&f->loop, UV_RUN_NOWAIT);
-            continue;
-        }
-        assert_true(w > 0);
-        p += w;
-        n -= (size_t)w;
-    }
-}
-
 static void send_frame(engine_fixture *f)
 {
-    uint8_t *frame;
-    size_t len;
-    assert_int_equal(kp_writer_flatten(&f->w, &frame, &len, NULL), KP_OK);
-    write_all(f, frame, len);
-    free(frame);
+    loop_send_frame(&f->loop, f->fd, &f->w);
 }
 
 /* Turns the loop until the daemon has read and admitted what was sent. */
