@@ -5,7 +5,9 @@
 #ifndef KDAD_TEST_LOOP_IO_H
 #define KDAD_TEST_LOOP_IO_H
 
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <uv.h>
 
 #include "kdaproto.h"
@@ -16,5 +18,10 @@ void loop_write_all(uv_loop_t *loop, int fd, const void *bytes, size_t n);
 
 /* Flattens the frame in w and writes it to fd the same way. */
 void loop_send_frame(uv_loop_t *loop, int fd, kp_writer *w);
+
+/* Runs the loop until a whole frame arrives on fd and decodes it into msg,
+ * whose body (the caller's to free, after closing msg) goes to *body; false at
+ * EOF.  Closes msg and frees *body first.  Fails the test after 100000 turns. */
+bool loop_recv_msg(uv_loop_t *loop, int fd, kp_reader *r, kp_msg *msg, uint8_t **body);
 
 #endif

@@ -101,33 +101,7 @@ static void send_frame(fixture *f)
 /* Runs the daemon's loop until a frame arrives on the client end; false at EOF. */
 static bool recv_frame(fixture *f)
 {
-    kp_msg_close(&f->msg);
-    free(f->body);
-    f->body = NULL;
-    for (int spins = 0; spins < 100000; spins++) {
-        uv_run(&f->loop, UV_RUN_NOWAIT);
-        struct pollfd p = {f->fd, POLLIN, 0};
-        if (poll(&p, 1, 1) != 1)
-            continue;
-        uint8_t *buf;
-        size_t space = kp_reader_space(&f->reader, &buf);
-        ssize_t n = recv(f->fd, buf, space, MSG_DONTWAIT);
-        if (n == 0)
-            return false;
-        if (n < 0)
-            continue;
-        kp_error e;
-        int rc = kp_reader_commit(&f->reader, (size_t)n, &e);
-        assert_true(rc >= 0);
-        if (rc != KP_READ_FRAME)
-            continue;
-        size_t len;
-        f->body = kp_reader_take(&f->reader, &len);
-        assert_int_equal(kp_msg_decode(&f->msg, f->body, len, UINT32_MAX, &e), KP_OK);
-        return true;
-    }
-    fail_msg("no frame from the daemon");
-    return false;
+    return loop_recv_msg(&f->loop, f->fd, &f->reader, &f->msg, &f->body);
 }
 
 static void expect_error(fixture *f, uint32_t id, int code, const char *substr)

@@ -235,34 +235,11 @@ static void settle(engine_fixture *f)
 /* Runs the loop until a response arrives; checks it is a success and returns its id. */
 static uint32_t recv_ok(engine_fixture *f)
 {
-    kp_msg_close(&f->msg);
-    free(f->body);
-    f->body = NULL;
-    for (int spins = 0; spins < 100000; spins++) {
-        uv_run(&f->loop, UV_RUN_NOWAIT);
-        uint8_t *buf;
-        size_t space = kp_reader_space(&f->reader, &buf);
-        ssize_t n = recv(f->fd, buf, space, MSG_DONTWAIT);
-        if (n <= 0) {
-            assert_true(n < 0 && errno == EAGAIN);
-            poll(&(struct pollfd){f->fd, POLLIN, 0}, 1, 1);
-            continue;
-        }
-        kp_error e;
-        int rc = kp_reader_commit(&f->reader, (size_t)n, &e);
-        assert_true(rc >= 0);
-        if (rc != KP_READ_FRAME)
-            continue;
-        size_t len;
-        f->body = kp_reader_take(&f->reader, &len);
-        assert_int_equal(kp_msg_decode(&f->msg, f->body, len, UINT32_MAX, &e), KP_OK);
-        assert_int_equal(f->msg.kind, KP_MSG_RESPONSE);
-        if (f->msg.error)
-            fail_msg("request %u failed", f->msg.id);
-        return f->msg.id;
-    }
-    fail_msg("no response from the daemon");
-    return 0;
+    assert_true(loop_recv_msg(&f->loop, f->fd, &f->reader, &f->msg, &f->body));
+    assert_int_equal(f->msg.kind, KP_MSG_RESPONSE);
+    if (f->msg.error)
+        fail_msg("request %u failed", f->msg.id);
+    return f->msg.id;
 }
 
 /* Expects the responses to ids[0..n), in any order. */
