@@ -200,9 +200,10 @@ int main(int argc, char **argv)
             json = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
             only = argv[++i];
-        else if (!strcmp(argv[i], "--pairing") && i + 1 < argc && !strcmp(argv[i + 1], "off") && ++i)
+        else if (!strcmp(argv[i], "--pairing") && i + 1 < argc && !strcmp(argv[i + 1], "off")) {
             pairing = KDA_CUDA_PAIRING_OFF;
-        else {
+            i++;
+        } else {
             fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME] [--pairing off]\n", argv[0]);
             return 2;
         }

@@ -27,6 +27,7 @@ mixed=1300,547,2048,963,271,3063
 uniform=1024,1024,1024,1024,1024,1024,1024,1024
 only=${E2E_ONLY:-}
 variant=poll
+client_args=""
 
 start_kdad() {   # start_kdad HEADS CONFIG: kdad in the background on $sock
   sock=$(mktemp -u /tmp/kdad-e2e-XXXXXX.sock)
@@ -69,13 +70,13 @@ measure() {      # measure WORKLOAD KDACTL_BENCH_ARGS...: one JSON line
     "$name" "$variant" "$summary" "$json" "${before:-null}" "${after:-null}" >>"$out/e2e.jsonl"
 }
 
-latency_rows() { # latency_rows HEADS TRANSPORTS...
+latency_rows() { # latency_rows HEADS TRANSPORTS...  ($client_args go to every kdactl bench)
   local heads=$1 t n; shift
   for t in "$@"; do
     n=20; [ "$t" = inline ] && n=8
-    measure "H$heads fixed 8192" --lengths 8192 --transport "$t" --requests $n --warmup 2
-    measure "H$heads mixed" --lengths "$mixed" --transport "$t" --requests $n --warmup 2
-    measure "H$heads uniform 8x1024" --lengths "$uniform" --transport "$t" --requests $n --warmup 2
+    measure "H$heads fixed 8192" --lengths 8192 --transport "$t" --requests $n --warmup 2 $client_args
+    measure "H$heads mixed" --lengths "$mixed" --transport "$t" --requests $n --warmup 2 $client_args
+    measure "H$heads uniform 8x1024" --lengths "$uniform" --transport "$t" --requests $n --warmup 2 $client_args
   done
 }
 
@@ -118,13 +119,9 @@ fi
 # The client side: spinning instead of sleeping, and clients with two requests in flight.
 if [ -z "$only" ] || [ "$only" = ipc ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
-  variant=spin
-  for t in cuda-ipc; do
-    measure "H96 fixed 8192" --lengths 8192 --transport $t --requests 20 --warmup 2 --spin 200
-    measure "H96 mixed" --lengths "$mixed" --transport $t --requests 20 --warmup 2 --spin 200
-    measure "H96 uniform 8x1024" --lengths "$uniform" --transport $t --requests 20 --warmup 2 --spin 200
-  done
-  variant=depth2
+  variant=spin client_args="--spin 200"
+  latency_rows 96 cuda-ipc
+  variant=depth2 client_args=""
   measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients 8 --depth 2 \
     --requests 200 --transport cuda-ipc
   variant=poll
