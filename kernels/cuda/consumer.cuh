@@ -242,17 +242,23 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             stmatrix_x4_trans(st.v.at(8 * nt + (lane & 7), ln.row0 - (lane >> 2) + 8 * h), o[call]);
         }
         named_barrier_sync(BAR_CONSUMER + wg, WG_THREADS);
+        uint4 rows[2];
+#pragma unroll
+        for (int pass = 0; pass < 2; pass++)
+            rows[pass] = *reinterpret_cast<const uint4 *>(st.v.at(tid / 8 + 16 * pass, wg * ROWS_PER_CONSUMER + (tid % 8) * 8));
+
+        /* Every read of this stage is done: release it before the output stores, since an arrival
+           with release at cluster scope waits for this thread's earlier stores to reach L2. */
+        uint64_t *empty = &sm.empty[n % STAGES];
+        mbar_arrive(empty);
+        if (PAIRED)                                 /* the peer's producers write into both CTAs' stage */
+            mbar_arrive_cluster(cluster_addr(empty, cluster_rank() ^ 1), 1);
 #pragma unroll
         for (int pass = 0; pass < 2; pass++) {
             const int i = tid / 8 + 16 * pass, col = wg * ROWS_PER_CONSUMER + (tid % 8) * 8;
             if (i < hdr.ntok)
-                *reinterpret_cast<uint4 *>(out + (hdr.t0 + i) * stride + int64_t(hdr.head) * D + col) =
-                    *reinterpret_cast<const uint4 *>(st.v.at(i, col));
+                *reinterpret_cast<uint4 *>(out + (hdr.t0 + i) * stride + int64_t(hdr.head) * D + col) = rows[pass];
         }
-        uint64_t *empty = &sm.empty[n % STAGES];
-        mbar_arrive(empty);                         /* every read of this stage is done */
-        if (PAIRED)                                 /* the peer's producers write into both CTAs' stage */
-            mbar_arrive_cluster(cluster_addr(empty, cluster_rank() ^ 1), 1);
         if (hdr.flags & CHUNK_LAST)
             store_state(acc, p, slot, hdr.head, ln);
         PROF_MARK(PROF_C_EPILOGUE);
