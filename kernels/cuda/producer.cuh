@@ -17,7 +17,8 @@
  * (0..127) of the warpgroup owns key dims 4 (p % 32) .. + 3 over quarter
  * chunk p / 32 (8 tokens):
  *
- *   plan     thread 0, in its turn, plans the warpgroup's next chunk (n + 2)
+ *   plan     a thread of warp 1, in its turn and while warp 0 inverts, plans
+ *            the chunk after the warpgroup's next one
  *   values   once the consumers free the stage: the chunk's values by cp.async
  *            straight into the stage's value tile
  *   gates    G_t = sum_{s<=t} lower_bound * sigmoid(e^A_log (g_sd + dt_bias_d)),
@@ -28,9 +29,10 @@
  *   L, Mqk   [kd; qd] . ki^T by wgmma (64 x 32 x 128).  The diagonal of
  *            kd ki^T is |k_t|^2 (the gates cancel), which gives the k norms;
  *            L^ = diag(b n^2) strictly_lower(kd ki^T), Mqk = lower_incl(qd ki^T).
- *            While it runs, the raw rows of chunk n + 2 are requested.
- *   inverse  (I + L^)^-1 in fp32: 8 x 8 diagonal blocks by forward
- *            substitution, merged to 16 x 16 and 32 x 32
+ *            While it runs, the raw rows of the warpgroup's next chunk are
+ *            requested.
+ *   inverse  (I + L^)^-1 in fp32 by forward substitution, one warp, a
+ *            column per lane
  *
  * smem.cuh (PrepStage) gives the algebra that lets the norms come last and
  * the state update use ki.  Centring on the middle token splits the chunk
@@ -417,88 +419,58 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
             for (int nt = 0; nt < C / 8; nt++) {
                 const int j = 8 * nt + 2 * t4;
                 const float v0 = lm[4 * nt + 2 * h], v1 = lm[4 * nt + 2 * h + 1];
-                *reinterpret_cast<float2 *>(&area.lmat[i][j]) = make_float2(j < i ? bn2 * v0 : 0.0f, j + 1 < i ? bn2 * v1 : 0.0f);
+                area.lt[j][i] = j < i ? bn2 * v0 : 0.0f;
+                area.lt[j + 1][i] = j + 1 < i ? bn2 * v1 : 0.0f;
             }
         }
     }
 }
 
 /*
- * Merges every pair of N x N diagonal blocks of the inverse into one 2N x 2N
- * block: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]] with
- * B = L[r1.., r0..].  A^-1 and C^-1 are lower triangular, so the sums skip
- * their upper triangles (never written).
+ * (I + L^)^-1 in fp32 into the stage's bf16 tile (zero above the diagonal).
+ * One warp solves (I + L^) X = I by forward substitution, lane j for column
+ * j: once x_m is final, every later row takes its term, x_i -= L^[i][m] x_m
+ * (column m of L^ is row m of lt, read four at a time; the same address in
+ * every lane).  496 dependent-free FMAs per lane and no barrier: a blocked
+ * inverse over the whole warpgroup cost four times the instructions and
+ * five barrier waits.  The other warps run `others`, then wait at the barrier.
  */
-template <int N>
-__device__ __forceinline__ void merge_inverse_blocks(ProducerArea &area, int tid, ProducerSync sync)
-{
-    constexpr int OUTS = C / (2 * N) * N * N;
-    constexpr int PER_THREAD = (OUTS + WG_THREADS - 1) / WG_THREADS;
-#pragma unroll
-    for (int r = 0; r < PER_THREAD; r++) {         /* X = B . A^-1 */
-        const int o = tid + WG_THREADS * r, pr = o / (N * N), i = (o % (N * N)) / N, j = o % N, r0 = 2 * N * pr;
-        if (o < OUTS) {
-            float s = 0.0f;
-#pragma unroll
-            for (int m = 0; m < N; m++)
-                if (m >= j)
-                    s += area.lmat[r0 + N + i][r0 + m] * area.inv[r0 + m][r0 + j];
-            area.x[pr * N + i][j] = s;
-        }
-    }
-    sync();
-#pragma unroll
-    for (int r = 0; r < PER_THREAD; r++) {         /* -C^-1 . X */
-        const int o = tid + WG_THREADS * r, pr = o / (N * N), i = (o % (N * N)) / N, j = o % N, r0 = 2 * N * pr;
-        if (o < OUTS) {
-            float s = 0.0f;
-#pragma unroll
-            for (int m = 0; m < N; m++)
-                if (m <= i)
-                    s += area.inv[r0 + N + i][r0 + N + m] * area.x[pr * N + m][j];
-            area.inv[r0 + N + i][r0 + j] = -s;
-        }
-    }
-    sync();
-}
-
-/*
- * (I + L^)^-1 in fp32 into the stage's bf16 tile (zero above the diagonal):
- * warps 0-3 each invert one 8 x 8 diagonal block by forward substitution
- * (lane j owns column j), then the blocks merge to 16 x 16 and to 32 x 32.
- */
-__device__ __forceinline__ void prepare_inverse(ProducerArea &area, PrepStage &st, int tid, ProducerSync sync)
+template <typename Meanwhile>
+__device__ __forceinline__ void prepare_inverse(ProducerArea &area, PrepStage &st, int tid, ProducerSync sync,
+                                                Meanwhile others)
 {
     tid = per_chunk(tid);
-    constexpr int B = 8;
-    static_assert(C / B == WG_THREADS / 32, "one 8 x 8 block per warp");
-    const int warp = tid >> 5, lane = tid & 31;
-    if (lane < B) {
-        const int off = B * warp, j = lane;
-        float x[B];
+    if (tid >= 32) {
+        others();
+    } else {
+        const int j = tid;
+        float x[C];
 #pragma unroll
-        for (int m = 0; m < B; m++)
-            x[m] = m == j ? 1.0f : 0.0f;
+        for (int i = 0; i < C; i++)
+            x[i] = i == j ? 1.0f : 0.0f;
 #pragma unroll
-        for (int m = 0; m < B - 1; m++)            /* right-looking: eliminate x[m] from later rows */
+        for (int m = 0; m < C - 1; m++) {
 #pragma unroll
-            for (int i = m + 1; i < B; i++)
-                x[i] -= area.lmat[off + i][off + m] * x[m];
+            for (int i4 = (m + 1) / 4 * 4; i4 < C; i4 += 4) {
+                const float4 l = *reinterpret_cast<const float4 *>(&area.lt[m][i4]);
+                const float li[4] = {l.x, l.y, l.z, l.w};
 #pragma unroll
-        for (int m = 0; m < B; m++)
-            area.inv[off + m][off + j] = x[m];
+                for (int e = 0; e < 4; e++)
+                    if (i4 + e > m)
+                        x[i4 + e] = fmaf(-li[e], x[m], x[i4 + e]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < C; i++)                /* rows above j are exact zeros */
+            area.inv[i][j] = x[i];
     }
     sync();
-    merge_inverse_blocks<B>(area, tid, sync);
-    merge_inverse_blocks<2 * B>(area, tid, sync);
 
     const int r = tid >> 2, c0 = (tid & 3) * 8;    /* eight elements of row r per thread */
     uint32_t w[4];
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const int j = c0 + 2 * e;
-        w[e] = pack_bf16x2(j <= r ? area.inv[r][j] : 0.0f, j + 1 <= r ? area.inv[r][j + 1] : 0.0f);
-    }
+    for (int e = 0; e < 4; e++)
+        w[e] = pack_bf16x2(area.inv[r][c0 + 2 * e], area.inv[r][c0 + 2 * e + 1]);
     *reinterpret_cast<uint4 *>(st.inv.at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -549,9 +521,9 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
     };
     PROF_START(wg == 0 && tid == 0);
 
-    /* The first chunk: planned (warpgroup 0 starts an empty cursor, so its plan fetches an item; a
-       paired walk starts at the cluster's first item) and requested.  Warp 0 holds the beta logits
-       of the next chunk until it is prepared. */
+    /* The first two chunks planned (warpgroup 0 starts an empty cursor, so its plan fetches an item;
+       a paired walk starts at the cluster's first item), the first requested.  Warp 0 holds the
+       beta logits of the next chunk until it is prepared. */
     if (tid == 0) {
         if (PAIRED) {
             sm.walk[wg].first = 0;
@@ -562,13 +534,14 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
             sm.cursor.len = 0;
         }
         plan(0, area.info[0]);
+        plan(1, area.info[1]);
     }
     sync();
     uint32_t beta = issue_row_copies(area, area.info[0], loaded, p, tid);
 
     for (uint32_t k = 0;; k++) {
         const uint32_t n = STRIDE * k + first_n;   /* the chunk's number in the CTA's (cluster's) sequence */
-        ChunkInfo &info = area.info[k & 1], &next = area.info[(k + 1) & 1];
+        ChunkInfo &info = area.info[k % 3], &next = area.info[(k + 1) % 3], &after = area.info[(k + 2) % 3];
         PrepStage &st = sm.prep[n % STAGES];
         uint64_t *full = &sm.full[n % STAGES], *empty = &sm.empty[n % STAGES];
         const uint32_t phase = (n / STAGES) & 1;
@@ -579,8 +552,6 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
 
         if (tid < 32)
             store_beta(info, beta, tid);
-        if (tid == 0)                              /* the warpgroup's next chunk */
-            plan(k + 1, next);
         PROF_MARK(PROF_P_FETCH);
         mbar_wait(loaded, k & 1);                  /* this chunk's rows have landed */
         PROF_MARK(PROF_P_LOADWAIT);
@@ -609,7 +580,10 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
             st.hdr = hdr;
         sync();
         PROF_MARK(PROF_P_LMQK);
-        prepare_inverse(area, st, tid, sync);
+        prepare_inverse(area, st, tid, sync, [&] {   /* planning, off the critical path: warp 1 waits here */
+            if (tid == 32)
+                plan(k + 2, after);
+        });
         fence_proxy_async();                       /* the stage's tiles feed the consumers' wgmma */
         mbar_arrive(full);
         if (PAIRED && tid == 0)

@@ -53,8 +53,8 @@ constexpr int threads(bool paired) { return WG_THREADS * (PRODUCER_WGS + consume
  * accumulator.  Paired chains launch 384 threads with 168 registers and
  * have room to spare: 96 / 240.
  */
-constexpr uint32_t producer_regs(bool paired) { return paired ? 96 : 80; }
-constexpr uint32_t consumer_regs(bool paired) { return paired ? 240 : 176; }
+constexpr uint32_t producer_regs(bool paired) { return paired ? 104 : 88; }
+constexpr uint32_t consumer_regs(bool paired) { return paired ? 240 : 168; }
 constexpr int launch_regs(bool paired) { return 65536 / threads(paired) / 8 * 8; }
 constexpr bool regs_fit(bool paired)
 {
@@ -217,14 +217,14 @@ struct alignas(128) ProducerArea {
     uint16_t q[C * D];           /* [32 x 128] bf16, row-major, as loaded; rows past the end are stale */
     uint16_t k[C * D];
     uint16_t g[C * D];
-    ChunkInfo info[2];           /* the chunk being prepared and the next one (by the parity of the
-                                    warpgroup's chunk count) */
+    ChunkInfo info[3];           /* the chunk being prepared, the next one (its rows loading) and the one
+                                    after (being planned), by the warpgroup's chunk count mod 3 */
     union {                      /* lifetimes do not overlap: the gates, then L and the inverse */
         float4 quarter_total[4][D / 4];   /* per 4 key dims: the gate sum over each quarter chunk */
-        float lmat[C][C + 2];    /* strictly lower diag(b n^2) kd ki^T, fp32 (rows padded, 8-byte aligned) */
+        float lt[C][C + 4];      /* L^ transposed: lt[j][i] = L^[i][j] (strictly lower diag(b n^2) kd ki^T),
+                                    fp32, rows padded and 16-byte aligned */
     };
     float inv[C][C + 1];         /* (I + L^)^-1 under construction, fp32 */
-    float x[C / 2][C / 2 + 1];   /* L21 . A^-1 while merging diagonal blocks of the inverse */
 };
 
 struct SharedStorage {
