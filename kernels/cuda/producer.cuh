@@ -31,8 +31,9 @@
  *            L^ = diag(b n^2) strictly_lower(kd ki^T), Mqk = lower_incl(qd ki^T).
  *            While it runs, the raw rows of the warpgroup's next chunk are
  *            requested.
- *   inverse  (I + L^)^-1 in fp32 by forward substitution, one warp, a
- *            column per lane
+ *   inverse  (I + L^)^-1 in fp32: the two 16 x 16 diagonal blocks by forward
+ *            substitution (one warp, a column per lane), then the block
+ *            below them
  *
  * smem.cuh (PrepStage) gives the algebra that lets the norms come last and
  * the state update use ki.  Centring on the middle token splits the chunk
@@ -427,32 +428,33 @@ __device__ __forceinline__ void prepare_lmqk(ProducerArea &area, const ChunkInfo
 }
 
 /*
- * (I + L^)^-1 in fp32 into the stage's bf16 tile (zero above the diagonal).
- * One warp solves (I + L^) X = I by forward substitution, lane j for column
- * j: once x_m is final, every later row takes its term, x_i -= L^[i][m] x_m
- * (column m of L^ is row m of lt, read four at a time; the same address in
- * every lane).  496 dependent-free FMAs per lane and no barrier: a blocked
- * inverse over the whole warpgroup cost four times the instructions and
- * five barrier waits.  The other warps run `others`, then wait at the barrier.
+ * (I + L^)^-1 in fp32 into the stage's bf16 tile (zero above the diagonal),
+ * as [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]] with 16 x 16
+ * blocks.  Warp 0 inverts A and C by forward substitution, a column per
+ * lane (lanes 0-15 the columns of A, 16-31 those of C): once x_m is final,
+ * every later row takes its term, x_i -= L^[i][m] x_m, column m of L^ being
+ * row m of lt, read four at a time.  Meanwhile the other warps run
+ * `others`; then all four form -C^-1 (B A^-1).  (A warp solving all 32
+ * columns alone took 496 FMAs per lane and held its SM partition for them;
+ * 8 x 8 blocks merged twice took five barriers.)
  */
 template <typename Meanwhile>
 __device__ __forceinline__ void prepare_inverse(ProducerArea &area, PrepStage &st, int tid, ProducerSync sync,
                                                 Meanwhile others)
 {
+    constexpr int H = C / 2;
     tid = per_chunk(tid);
-    if (tid >= 32) {
-        others();
-    } else {
-        const int j = tid;
-        float x[C];
+    if (tid < 32) {
+        const int j = tid, b = j & ~(H - 1);       /* column j of the block at rows and columns b.. */
+        float x[H];
 #pragma unroll
-        for (int i = 0; i < C; i++)
-            x[i] = i == j ? 1.0f : 0.0f;
+        for (int i = 0; i < H; i++)
+            x[i] = b + i == j ? 1.0f : 0.0f;
 #pragma unroll
-        for (int m = 0; m < C - 1; m++) {
+        for (int m = 0; m < H - 1; m++) {
 #pragma unroll
-            for (int i4 = (m + 1) / 4 * 4; i4 < C; i4 += 4) {
-                const float4 l = *reinterpret_cast<const float4 *>(&area.lt[m][i4]);
+            for (int i4 = (m + 1) / 4 * 4; i4 < H; i4 += 4) {
+                const float4 l = *reinterpret_cast<const float4 *>(&area.lt[b + m][b + i4]);
                 const float li[4] = {l.x, l.y, l.z, l.w};
 #pragma unroll
                 for (int e = 0; e < 4; e++)
@@ -461,17 +463,49 @@ __device__ __forceinline__ void prepare_inverse(ProducerArea &area, PrepStage &s
             }
         }
 #pragma unroll
-        for (int i = 0; i < C; i++)                /* rows above j are exact zeros */
-            area.inv[i][j] = x[i];
+        for (int i = 0; i < H; i++)                /* rows above j are exact zeros */
+            area.inv[b + i][j] = x[i];
+    } else {
+        others();
     }
     sync();
 
-    const int r = tid >> 2, c0 = (tid & 3) * 8;    /* eight elements of row r per thread */
+    const int i = tid / H, j = tid % H;            /* two elements each: rows i and i + 8 of the 16 x 16 products */
+    float y[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {                  /* Y = B A^-1, B = L^[H.., ..H] */
+        float s = 0.0f;
+#pragma unroll
+        for (int m = 0; m < H; m++)
+            s = fmaf(area.lt[m][H + i + 8 * r], area.inv[m][j], s);   /* A^-1[m][j] = 0 for m < j */
+        y[r] = s;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        area.y[i + 8 * r][j] = y[r];
+    sync();
+#pragma unroll
+    for (int r = 0; r < 2; r++) {                  /* -C^-1 Y */
+        const int ii = i + 8 * r;
+        float s = 0.0f;
+#pragma unroll
+        for (int m = 0; m < H; m++)
+            s = fmaf(area.inv[H + ii][H + m], area.y[m][j], s);        /* C^-1[ii][m] = 0 for m > ii */
+        y[r] = -s;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        area.inv[H + i + 8 * r][j] = y[r];
+    sync();
+
+    const int row = tid >> 2, c0 = (tid & 3) * 8;  /* eight elements of row `row` per thread */
     uint32_t w[4];
 #pragma unroll
-    for (int e = 0; e < 4; e++)
-        w[e] = pack_bf16x2(area.inv[r][c0 + 2 * e], area.inv[r][c0 + 2 * e + 1]);
-    *reinterpret_cast<uint4 *>(st.inv.at(r, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int e = 0; e < 4; e++) {
+        const int c = c0 + 2 * e;                  /* the upper right block was never written */
+        w[e] = pack_bf16x2(c <= row ? area.inv[row][c] : 0.0f, c + 1 <= row ? area.inv[row][c + 1] : 0.0f);
+    }
+    *reinterpret_cast<uint4 *>(st.inv.at(row, c0)) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 /*

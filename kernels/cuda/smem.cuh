@@ -45,13 +45,13 @@ constexpr int threads(bool paired) { return WG_THREADS * (PRODUCER_WGS + consume
 
 /*
  * Register budgets (setmaxnreg): 512 threads launch with 128 registers each
- * (all 65,536 of the SM's), which the roles then split 80 / 176.  Each
+ * (all 65,536 of the SM's), which the roles then split 88 / 168.  Each
  * consumer thread holds the fp32 state (64) and output (16) accumulators,
  * the [P | O1] accumulator (32), the bf16 A fragments of the state (32), U
  * (16) and the chunk's V values (8); a producer thread the gate prefix sums
- * of four key dims over a quarter chunk (32), or a 32-register wgmma
- * accumulator.  Paired chains launch 384 threads with 168 registers and
- * have room to spare: 96 / 240.
+ * of four key dims over a quarter chunk (32), a 32-register wgmma
+ * accumulator, or a column of a 16 x 16 inverse (16).  Paired chains launch
+ * 384 threads with 168 registers and have room to spare: 104 / 240.
  */
 constexpr uint32_t producer_regs(bool paired) { return paired ? 104 : 88; }
 constexpr uint32_t consumer_regs(bool paired) { return paired ? 240 : 168; }
@@ -225,6 +225,7 @@ struct alignas(128) ProducerArea {
                                     fp32, rows padded and 16-byte aligned */
     };
     float inv[C][C + 1];         /* (I + L^)^-1 under construction, fp32 */
+    float y[C / 2][C / 2 + 1];   /* B A^-1 (the lower left block of L^ times the upper left inverse) */
 };
 
 struct SharedStorage {
