@@ -15,9 +15,9 @@ static uint64_t align16(uint64_t x)
     return (x + 15) & ~(uint64_t)15;
 }
 
-static void layout(bench_layout *l, uint32_t heads, uint32_t seqs, uint32_t max_len)
+static void layout(bench_layout *l, uint32_t heads, uint32_t seqs, uint32_t max_len, uint64_t max_total)
 {
-    uint64_t block = kdac_token_bytes(seqs * max_len, heads); /* a multiple of 256 */
+    uint64_t block = kdac_token_bytes(max_total, heads); /* a multiple of 256 */
     for (int t = 0; t < 4; t++)
         l->tensor[t] = t * block;
     l->beta = 4 * block;
@@ -27,7 +27,8 @@ static void layout(bench_layout *l, uint32_t heads, uint32_t seqs, uint32_t max_
 }
 
 int bench_data_init(bench_data *d, bench_transport t, uint32_t heads, uint32_t seqs,
-                    uint32_t max_len, uint32_t nout, uint64_t seed, char *why, size_t size)
+                    uint32_t max_len, uint64_t max_total, uint32_t nout, uint64_t seed, char *why,
+                    size_t size)
 {
     memset(d, 0, sizeof(*d));
     d->shm.fd = -1;
@@ -35,7 +36,7 @@ int bench_data_init(bench_data *d, bench_transport t, uint32_t heads, uint32_t s
     d->heads = heads;
     d->seqs = seqs;
     d->max_len = max_len;
-    layout(&d->lay, heads, seqs, max_len);
+    layout(&d->lay, heads, seqs, max_len, max_total);
     d->image = malloc(d->lay.inputs);
     if (!d->image) {
         snprintf(why, size, "cannot allocate %llu bytes of inputs",

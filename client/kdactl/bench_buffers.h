@@ -48,10 +48,12 @@ typedef struct bench_region {
 } bench_region;
 
 /* Fills random inputs for requests of `seqs` sequences of at most max_len
- * tokens; with shm, room for nout output blocks.  Returns 0, or an exit
- * code with why set. */
+ * tokens and max_total tokens in all (each tensor a block of max_total
+ * tokens, a request's sequences packed from its start); with shm, room for
+ * nout output blocks.  Returns 0, or an exit code with why set. */
 int bench_data_init(bench_data *d, bench_transport t, uint32_t heads, uint32_t seqs,
-                    uint32_t max_len, uint32_t nout, uint64_t seed, char *why, size_t size);
+                    uint32_t max_len, uint64_t max_total, uint32_t nout, uint64_t seed, char *why,
+                    size_t size);
 void bench_data_free(bench_data *d);
 
 /* Registers what client `index` (with `depth` requests in flight) uses.

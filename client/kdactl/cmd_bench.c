@@ -129,6 +129,36 @@ static uint32_t max_len(const bench_opts *o)
     }
 }
 
+/* Sequence length of entry i of the mixed pattern, scaled to the mean length o->tokens. */
+static uint32_t mixed_len(const bench_opts *o, uint64_t i)
+{
+    double l = mixed_lengths[i % NMIXED] * (double)o->tokens * NMIXED / 8192.0;
+    return l < 1 ? 1 : (uint32_t)llround(l);
+}
+
+/* The most tokens one request can hold: its tensors are packed back to back within a block of
+   this many tokens per tensor (a larger block only spreads the batch over more addresses). */
+static uint64_t max_total(const bench_opts *o)
+{
+    uint64_t most = 0;
+    switch (o->dist) {
+    case DIST_MIXED:                               /* seqs consecutive entries of the cycle */
+        for (uint64_t start = 0; start < NMIXED; start++) {
+            uint64_t sum = 0;
+            for (uint64_t j = 0; j < o->seqs; j++)
+                sum += mixed_len(o, start + j);
+            most = sum > most ? sum : most;
+        }
+        return most;
+    case DIST_LIST:
+        for (uint64_t j = 0; j < o->seqs; j++)
+            most += o->lengths[j];
+        return most;
+    default:                                       /* fixed; uniform: every sequence at its longest */
+        return o->seqs * max_len(o);
+    }
+}
+
 /* The length of sequence j of the next request. */
 static uint32_t next_len(bench *b, uint32_t j)
 {
@@ -137,10 +167,8 @@ static uint32_t next_len(bench *b, uint32_t j)
         return b->o.lengths[j];
     case DIST_UNIFORM:
         return 1 + (uint32_t)(rng_uniform(&b->rng) * (double)(2 * b->o.tokens - 1));
-    case DIST_MIXED: {
-        double l = mixed_lengths[b->mixed_next++ % NMIXED] * (double)b->o.tokens * NMIXED / 8192.0;
-        return l < 1 ? 1 : (uint32_t)llround(l);
-    }
+    case DIST_MIXED:
+        return mixed_len(&b->o, b->mixed_next++);
     default:
         return (uint32_t)b->o.tokens;
     }
@@ -301,7 +329,7 @@ static int setup(bench *b)
                                  transport_names[b->o.transport], info->backend);
             char why[256];
             if ((rc = bench_data_init(&b->data, b->o.transport, info->heads,
-                                      (uint32_t)b->o.seqs, max_len(&b->o),
+                                      (uint32_t)b->o.seqs, max_len(&b->o), max_total(&b->o),
                                       (uint32_t)(b->o.clients * b->o.depth), b->o.seed, why,
                                       sizeof(why))))
                 return ctl_error(b->g, rc, "bench: %s", why);
