@@ -4,13 +4,15 @@
 # non-inlined call; C7511: not enough registers for the wgmma pipeline), which
 # is an info line, not a warning, and costs 1.5x or more (bench/RESULTS.md).
 #
-#   scripts/ptxas-check.sh NVCC SOURCE_DIR
+#   scripts/ptxas-check.sh NVCC SOURCE_DIR CUDA_FLAGS...   (the build's KDAD_CUDA_FLAGS)
 set -uo pipefail
-nvcc=${1:?usage: ptxas-check.sh NVCC SOURCE_DIR}
-src=${2:?usage: ptxas-check.sh NVCC SOURCE_DIR}
-report=$("$nvcc" -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -std=c++17 -O3 \
-    -I"$src/kernels" -I"$src/kernels/cuda" -Xptxas=-v -c "$src/kernels/cuda/kda_fwd_sm90.cu" \
-    -o /dev/null 2>&1) || { echo "$report"; echo "ptxas-check: the kernel does not compile"; exit 1; }
+usage="usage: ptxas-check.sh NVCC SOURCE_DIR CUDA_FLAGS..."
+nvcc=${1:?$usage}
+src=${2:?$usage}
+shift 2
+report=$("$nvcc" "$@" -std=c++17 -I"$src/kernels" -I"$src/kernels/cuda" -Xptxas=-v \
+    -c "$src/kernels/cuda/kda_fwd_sm90.cu" -o /dev/null 2>&1) ||
+    { echo "$report"; echo "ptxas-check: the kernel does not compile"; exit 1; }
 grep -E "registers|spill" <<<"$report"
 if grep -E "C751[0-9]|Potential Performance Loss|[1-9][0-9]* bytes spill" <<<"$report"; then
     echo "ptxas-check: FAILED: serialised wgmma or spills in the fused kernel (see above)"
