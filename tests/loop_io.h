@@ -8,9 +8,36 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <uv.h>
 
+#include "daemon.h"
 #include "kdaproto.h"
+
+/* The client end of a connection: the socket, a frame reader and writer, the
+ * last message received and its body. */
+typedef struct loop_client {
+    int fd;
+    kp_reader reader;
+    kp_writer w;
+    kp_msg msg;
+    uint8_t *body;
+} loop_client;
+
+/* Starts an in-process daemon on the cpu backend from a YAML text, on loop. */
+void loop_daemon_start(kd_daemon *d, uv_loop_t *loop, const char *yaml);
+
+/* Drains the daemon, runs the loop until every handle has closed and
+ * destroys it (fails the test if a handle stays open). */
+void loop_daemon_stop(kd_daemon *d, uv_loop_t *loop);
+
+/* Connects a peer of uid to d over a non-blocking socketpair: the daemon's
+ * end (NULL if it refused), the client's in *fd. */
+kd_conn *loop_daemon_connect(kd_daemon *d, uid_t uid, int *fd);
+
+/* Readies c's reader, writer and message for the socket fd; closes them. */
+void loop_client_init(loop_client *c, int fd);
+void loop_client_close(loop_client *c);
 
 /* Writes everything to fd, running the loop whenever the socket is full (the
  * daemon reads only when its loop runs); fails the test on a write error. */

@@ -28,44 +28,21 @@
 typedef struct fixture {
     uv_loop_t loop;
     kd_daemon d;
-    int fd;          /* the client's end */
+    loop_client c;   /* the client's end */
     kd_conn *conn;   /* the daemon's end */
-    kp_reader reader;
-    kp_writer w;
-    uint8_t *body;
-    kp_msg msg;
 } fixture;
 
 static const char yaml[] = "heads: 2\nslots: 8\ncpu_threads: 1\n"
                            "limits:\n  max_inflight_requests: 2\n";
 
-static kd_conn *adopt(fixture *f, int *client, uid_t uid)
-{
-    int sv[2];
-    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
-    assert_int_equal(fcntl(sv[0], F_SETFL, O_NONBLOCK), 0);
-    assert_int_equal(fcntl(sv[1], F_SETFL, O_NONBLOCK), 0);
-    kd_peer peer = {getpid(), uid, getgid()};
-    *client = sv[1];
-    return kd_conn_new(&f->d, sv[0], &peer);
-}
-
 static int setup(void **state)
 {
     fixture *f = calloc(1, sizeof(*f));
-    char err[KD_CONFIG_ERR_MAX];
-    kd_config cfg;
-    assert_int_equal(uv_loop_init(&f->loop), 0);
-    if (kd_config_load_text(&cfg, "test", yaml, strlen(yaml), err, sizeof(err)) != 0)
-        fail_msg("%s", err);
-    cfg.backend = KD_BACKEND_CPU;
-    if (kd_daemon_init(&f->d, &f->loop, &cfg, NULL, NULL, err, sizeof(err)) != 0)
-        fail_msg("%s", err);
-    f->conn = adopt(f, &f->fd, getuid());
+    int fd;
+    loop_daemon_start(&f->d, &f->loop, yaml);
+    f->conn = loop_daemon_connect(&f->d, getuid(), &fd);
     assert_non_null(f->conn);
-    kp_reader_init(&f->reader, UINT32_MAX);
-    assert_int_equal(kp_writer_init(&f->w, UINT32_MAX), KP_OK);
-    kp_msg_init(&f->msg);
+    loop_client_init(&f->c, fd);
     *state = f;
     return 0;
 }
@@ -73,16 +50,8 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     fixture *f = *state;
-    if (f->fd >= 0)
-        close(f->fd);
-    kd_daemon_drain(&f->d);
-    uv_run(&f->loop, UV_RUN_DEFAULT);
-    kd_daemon_destroy(&f->d);
-    assert_int_equal(uv_loop_close(&f->loop), 0); /* every handle closed */
-    kp_reader_close(&f->reader);
-    kp_writer_close(&f->w);
-    kp_msg_close(&f->msg);
-    free(f->body);
+    loop_client_close(&f->c);
+    loop_daemon_stop(&f->d, &f->loop);
     free(f);
     return 0;
 }
@@ -95,22 +64,22 @@ static void write_to(fixture *f, int fd, const void *bytes, size_t n)
 
 static void send_frame(fixture *f)
 {
-    loop_send_frame(&f->loop, f->fd, &f->w);
+    loop_send_frame(&f->loop, f->c.fd, &f->c.w);
 }
 
 /* Runs the daemon's loop until a frame arrives on the client end; false at EOF. */
 static bool recv_frame(fixture *f)
 {
-    return loop_recv_msg(&f->loop, f->fd, &f->reader, &f->msg, &f->body);
+    return loop_recv_msg(&f->loop, f->c.fd, &f->c.reader, &f->c.msg, &f->c.body);
 }
 
 static void expect_error(fixture *f, uint32_t id, int code, const char *substr)
 {
     kp_error remote, e;
     assert_true(recv_frame(f));
-    assert_int_equal(f->msg.kind, KP_MSG_RESPONSE);
-    assert_int_equal(f->msg.id, id);
-    assert_int_equal(kp_response_error_decode(&f->msg, &remote, &e), KP_OK);
+    assert_int_equal(f->c.msg.kind, KP_MSG_RESPONSE);
+    assert_int_equal(f->c.msg.id, id);
+    assert_int_equal(kp_response_error_decode(&f->c.msg, &remote, &e), KP_OK);
     assert_int_equal(remote.code, code);
     if (!strstr(remote.message, substr))
         fail_msg("\"%s\" not in \"%s\"", substr, remote.message);
@@ -120,7 +89,7 @@ static void expect_goodbye(fixture *f, int code, const char *substr)
 {
     kp_error remote, e;
     assert_true(recv_frame(f));
-    assert_int_equal(kp_goodbye_decode(&f->msg, &remote, &e), KP_OK);
+    assert_int_equal(kp_goodbye_decode(&f->c.msg, &remote, &e), KP_OK);
     assert_int_equal(remote.code, code);
     if (!strstr(remote.message, substr))
         fail_msg("\"%s\" not in \"%s\"", substr, remote.message);
@@ -130,15 +99,15 @@ static void expect_goodbye(fixture *f, int code, const char *substr)
 static void expect_ok(fixture *f, uint32_t id)
 {
     assert_true(recv_frame(f));
-    assert_int_equal(f->msg.kind, KP_MSG_RESPONSE);
-    assert_int_equal(f->msg.id, id);
-    assert_null(f->msg.error);
+    assert_int_equal(f->c.msg.kind, KP_MSG_RESPONSE);
+    assert_int_equal(f->c.msg.id, id);
+    assert_null(f->c.msg.error);
 }
 
 static void hello(fixture *f)
 {
     kp_hello_params p = {{1}, 1, NULL};
-    assert_int_equal(kp_hello_params_encode(&f->w, 1, &p, NULL), KP_OK);
+    assert_int_equal(kp_hello_params_encode(&f->c.w, 1, &p, NULL), KP_OK);
     send_frame(f);
     expect_ok(f, 1);
 }
@@ -151,7 +120,7 @@ static void test_prevalidation_refuses_hostile_frames(void **state)
     hello(f);
     /* an array32 announcing 2^32 - 1 elements in 9 bytes */
     static const uint8_t bomb[] = {0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff};
-    write_to(f, f->fd, bomb, sizeof(bomb));
+    write_to(f, f->c.fd, bomb, sizeof(bomb));
     expect_goodbye(f, KP_E_PROTOCOL, "announces 4294967295 objects");
     assert_int_equal(f->d.stats.disconnects[KD_DISC_PROTOCOL], 1);
 }
@@ -173,7 +142,7 @@ static void test_too_many_objects(void **state)
     frame[7] = (uint8_t)(n >> 8);
     frame[8] = (uint8_t)n;
     memset(frame + 9, 0xc0, n);
-    write_to(f, f->fd, frame, 4 + body);
+    write_to(f, f->c.fd, frame, 4 + body);
     free(frame);
     expect_goodbye(f, KP_E_PROTOCOL, "more than 262144 msgpack objects");
 }
@@ -182,16 +151,16 @@ static void test_too_many_objects(void **state)
 static void test_frames_split_and_coalesced(void **state)
 {
     fixture *f = *state;
-    assert_int_equal(kp_health_params_encode(&f->w, 4, NULL), KP_OK);
+    assert_int_equal(kp_health_params_encode(&f->c.w, 4, NULL), KP_OK);
     send_frame(f);
     expect_error(f, 4, KP_E_HELLO_REQUIRED, "health: send hello first");
     kp_hello_params p = {{1}, 1, "byte by byte"};
-    assert_int_equal(kp_hello_params_encode(&f->w, 5, &p, NULL), KP_OK);
+    assert_int_equal(kp_hello_params_encode(&f->c.w, 5, &p, NULL), KP_OK);
     uint8_t *frame;
     size_t len;
-    assert_int_equal(kp_writer_flatten(&f->w, &frame, &len, NULL), KP_OK);
+    assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
     for (size_t i = 0; i < len; i++) {
-        write_to(f, f->fd, frame + i, 1);
+        write_to(f, f->c.fd, frame + i, 1);
         uv_run(&f->loop, UV_RUN_NOWAIT);
     }
     free(frame);
@@ -200,13 +169,13 @@ static void test_frames_split_and_coalesced(void **state)
     uint8_t glued[3 * 64];
     size_t at = 0;
     for (uint32_t id = 10; id < 13; id++) {
-        assert_int_equal(kp_health_params_encode(&f->w, id, NULL), KP_OK);
-        assert_int_equal(kp_writer_flatten(&f->w, &frame, &len, NULL), KP_OK);
+        assert_int_equal(kp_health_params_encode(&f->c.w, id, NULL), KP_OK);
+        assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
         memcpy(glued + at, frame, len);
         at += len;
         free(frame);
     }
-    write_to(f, f->fd, glued, at);
+    write_to(f, f->c.fd, glued, at);
     for (uint32_t id = 10; id < 13; id++)
         expect_ok(f, id);
 }
@@ -218,15 +187,15 @@ static void test_backpressure(void **state)
     fixture *f = *state;
     hello(f);
     kp_slot_alloc_params ap = {1, true};
-    assert_int_equal(kp_slot_alloc_params_encode(&f->w, 2, &ap, NULL), KP_OK);
+    assert_int_equal(kp_slot_alloc_params_encode(&f->c.w, 2, &ap, NULL), KP_OK);
     send_frame(f);
     expect_ok(f, 2);
     kp_slot_list sl;
-    assert_int_equal(kp_slot_alloc_result_decode(&f->msg, &sl, NULL), KP_OK);
+    assert_int_equal(kp_slot_alloc_result_decode(&f->c.msg, &sl, NULL), KP_OK);
     uint64_t slot = sl.slots[0];
     for (uint32_t id = 3; id < 7; id++) {
         kp_slot_list rp = {&slot, 1};
-        assert_int_equal(kp_slot_reset_params_encode(&f->w, id, &rp, NULL), KP_OK);
+        assert_int_equal(kp_slot_reset_params_encode(&f->c.w, id, &rp, NULL), KP_OK);
         send_frame(f);
     }
     uint32_t most = 0;
@@ -247,20 +216,20 @@ static void test_access_lists_and_connection_limit(void **state)
     f->d.cfg.allowed_uids = &allowed;
     f->d.cfg.nallowed_uids = 1;
     int other;
-    adopt(f, &other, 1000);
-    int keep = f->fd;
-    f->fd = other;
+    loop_daemon_connect(&f->d, 1000, &other);
+    int keep = f->c.fd;
+    f->c.fd = other;
     expect_goodbye(f, KP_E_PERMISSION_DENIED, "uid 1000");
     close(other);
     f->d.cfg.nallowed_uids = 0;
     f->d.cfg.allowed_uids = saved;
 
     f->d.cfg.max_connections = 1;
-    adopt(f, &other, getuid());
-    f->fd = other;
+    loop_daemon_connect(&f->d, getuid(), &other);
+    f->c.fd = other;
     expect_goodbye(f, KP_E_BUSY, "too many connections");
     close(other);
-    f->fd = keep;
+    f->c.fd = keep;
     hello(f); /* the first connection is unaffected */
     assert_int_equal(f->d.stats.disconnects[KD_DISC_PERMISSION], 1);
     assert_int_equal(f->d.stats.disconnects[KD_DISC_TOO_MANY], 1);
@@ -277,12 +246,12 @@ static void test_output_hard_limit(void **state)
     uint8_t *frame;
     size_t len;
     /* The same id each time: an answered request is no longer in flight. */
-    assert_int_equal(kp_stats_params_encode(&f->w, 100, NULL), KP_OK);
-    assert_int_equal(kp_writer_flatten(&f->w, &frame, &len, NULL), KP_OK);
+    assert_int_equal(kp_stats_params_encode(&f->c.w, 100, NULL), KP_OK);
+    assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
     /* stats answers are ~1 KiB: a few hundred unread ones pass 64 KiB */
     kd_disconnect limit = KD_DISC_OUTPUT_LIMIT;
     for (uint32_t i = 0; i < 600 && !f->d.stats.disconnects[limit]; i++) {
-        write_to(f, f->fd, frame, len);
+        write_to(f, f->c.fd, frame, len);
         uv_run(&f->loop, UV_RUN_NOWAIT);
     }
     free(frame);
@@ -291,8 +260,8 @@ static void test_output_hard_limit(void **state)
     kp_error remote, e;
     bool goodbye = false;
     while (recv_frame(f)) {
-        if (f->msg.kind == KP_MSG_NOTIFICATION) {
-            assert_int_equal(kp_goodbye_decode(&f->msg, &remote, &e), KP_OK);
+        if (f->c.msg.kind == KP_MSG_NOTIFICATION) {
+            assert_int_equal(kp_goodbye_decode(&f->c.msg, &remote, &e), KP_OK);
             assert_int_equal(remote.code, KP_E_BUSY);
             goodbye = true;
         }
@@ -309,10 +278,10 @@ static void test_descriptor_fifo(void **state)
     assert_int_equal(ftruncate(mfd, 4096), 0);
     assert_int_equal(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
     kp_hello_params p = {{1}, 1, NULL};
-    assert_int_equal(kp_hello_params_encode(&f->w, 1, &p, NULL), KP_OK);
+    assert_int_equal(kp_hello_params_encode(&f->c.w, 1, &p, NULL), KP_OK);
     uint8_t *frame;
     size_t len;
-    assert_int_equal(kp_writer_flatten(&f->w, &frame, &len, NULL), KP_OK);
+    assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
     union {
         struct cmsghdr align;
         char buf[CMSG_SPACE(sizeof(int))];
@@ -325,13 +294,13 @@ static void test_descriptor_fifo(void **state)
     cm->cmsg_type = SCM_RIGHTS;
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(cm), &mfd, sizeof(int));
-    assert_int_equal(sendmsg(f->fd, &m, 0), (ssize_t)len);
+    assert_int_equal(sendmsg(f->c.fd, &m, 0), (ssize_t)len);
     free(frame);
     close(mfd);
     expect_ok(f, 1);
     assert_int_equal(f->conn->nfds, 1);
     kp_region_register_shm_params rp = {4096};
-    assert_int_equal(kp_region_register_shm_params_encode(&f->w, 2, &rp, NULL), KP_OK);
+    assert_int_equal(kp_region_register_shm_params_encode(&f->c.w, 2, &rp, NULL), KP_OK);
     send_frame(f);
     expect_ok(f, 2);
     assert_int_equal(f->conn->nfds, 0);

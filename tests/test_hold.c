@@ -198,11 +198,7 @@ typedef struct engine_fixture {
     uint64_t submitted_ns[MAX_BATCHES];
     bool completed[MAX_BATCHES];
     uint32_t nbatches;
-    int fd;                         /* the client's end */
-    kp_reader reader;
-    kp_writer w;
-    kp_msg msg;
-    uint8_t *body;
+    loop_client c;                  /* the client's end */
     uint64_t slot[NSLOTS];
     uint8_t zeros[BIG * HEADS * 128 * 2]; /* every input tensor */
 } engine_fixture;
@@ -222,7 +218,7 @@ static int fake_submit(kd_backend *b, kd_batch *batch, kp_error *err)
 
 static void send_frame(engine_fixture *f)
 {
-    loop_send_frame(&f->loop, f->fd, &f->w);
+    loop_send_frame(&f->loop, f->c.fd, &f->c.w);
 }
 
 /* Turns the loop until the daemon has read and admitted what was sent. */
@@ -235,11 +231,11 @@ static void settle(engine_fixture *f)
 /* Runs the loop until a response arrives; checks it is a success and returns its id. */
 static uint32_t recv_ok(engine_fixture *f)
 {
-    assert_true(loop_recv_msg(&f->loop, f->fd, &f->reader, &f->msg, &f->body));
-    assert_int_equal(f->msg.kind, KP_MSG_RESPONSE);
-    if (f->msg.error)
-        fail_msg("request %u failed", f->msg.id);
-    return f->msg.id;
+    assert_true(loop_recv_msg(&f->loop, f->c.fd, &f->c.reader, &f->c.msg, &f->c.body));
+    assert_int_equal(f->c.msg.kind, KP_MSG_RESPONSE);
+    if (f->c.msg.error)
+        fail_msg("request %u failed", f->c.msg.id);
+    return f->c.msg.id;
 }
 
 /* Expects the responses to ids[0..n), in any order. */
@@ -266,7 +262,7 @@ static void send_prefill(engine_fixture *f, uint32_t id, int slot, uint32_t len)
     q.q = q.k = q.v = q.g = kp_ref_inline(f->zeros, tb);
     q.beta = kp_ref_inline(f->zeros, kp_beta_bytes(len, HEADS));
     kp_prefill_params p = {"l", &q, 1};
-    assert_int_equal(kp_prefill_params_encode(&f->w, id, &p, NULL), KP_OK);
+    assert_int_equal(kp_prefill_params_encode(&f->c.w, id, &p, NULL), KP_OK);
     send_frame(f);
 }
 
@@ -288,47 +284,32 @@ static int engine_setup(void **state)
 {
     engine_fixture *f = calloc(1, sizeof(*f));
     current = f;
-    char err[KD_CONFIG_ERR_MAX];
-    kd_config cfg;
-    assert_int_equal(uv_loop_init(&f->loop), 0);
-    if (kd_config_load_text(&cfg, "test", yaml, strlen(yaml), err, sizeof(err)) != 0)
-        fail_msg("%s", err);
-    cfg.backend = KD_BACKEND_CPU;
-    if (kd_daemon_init(&f->d, &f->loop, &cfg, NULL, NULL, err, sizeof(err)) != 0)
-        fail_msg("%s", err);
+    loop_daemon_start(&f->d, &f->loop, yaml);
     f->ops = *f->d.backend->ops;
     f->ops.submit = fake_submit;
     f->d.backend->ops = &f->ops;
     f->d.backend->info.depth = 2; /* as cuda: the next batch may go while one runs */
-
-    int sv[2];
-    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
-    assert_int_equal(fcntl(sv[0], F_SETFL, O_NONBLOCK), 0);
-    assert_int_equal(fcntl(sv[1], F_SETFL, O_NONBLOCK), 0);
-    kd_peer peer = {getpid(), getuid(), getgid()};
-    f->fd = sv[1];
-    assert_non_null(kd_conn_new(&f->d, sv[0], &peer));
-    kp_reader_init(&f->reader, UINT32_MAX);
-    assert_int_equal(kp_writer_init(&f->w, UINT32_MAX), KP_OK);
-    kp_msg_init(&f->msg);
+    int fd;
+    assert_non_null(loop_daemon_connect(&f->d, getuid(), &fd));
+    loop_client_init(&f->c, fd);
 
     kp_hello_params hp = {{1}, 1, NULL};
-    assert_int_equal(kp_hello_params_encode(&f->w, 1, &hp, NULL), KP_OK);
+    assert_int_equal(kp_hello_params_encode(&f->c.w, 1, &hp, NULL), KP_OK);
     send_frame(f);
     assert_int_equal(recv_ok(f), 1);
     float a_log[HEADS] = {0}, dt_bias[HEADS * 128] = {0};
     kp_layer_register_params lp = {"l", kp_ref_inline(a_log, sizeof(a_log)),
                                    kp_ref_inline(dt_bias, sizeof(dt_bias)), -5.0f,
                                    KP_DEFAULT_SCALE};
-    assert_int_equal(kp_layer_register_params_encode(&f->w, 2, &lp, NULL), KP_OK);
+    assert_int_equal(kp_layer_register_params_encode(&f->c.w, 2, &lp, NULL), KP_OK);
     send_frame(f);
     assert_int_equal(recv_ok(f), 2);
     kp_slot_alloc_params ap = {NSLOTS, true};
-    assert_int_equal(kp_slot_alloc_params_encode(&f->w, 3, &ap, NULL), KP_OK);
+    assert_int_equal(kp_slot_alloc_params_encode(&f->c.w, 3, &ap, NULL), KP_OK);
     send_frame(f);
     assert_int_equal(recv_ok(f), 3);
     kp_slot_list sl;
-    assert_int_equal(kp_slot_alloc_result_decode(&f->msg, &sl, NULL), KP_OK);
+    assert_int_equal(kp_slot_alloc_result_decode(&f->c.msg, &sl, NULL), KP_OK);
     memcpy(f->slot, sl.slots, sizeof(f->slot));
     *state = f;
     return 0;
@@ -341,15 +322,8 @@ static int engine_teardown(void **state)
         if (!f->completed[i])
             complete(f, i);
     }
-    close(f->fd);
-    kd_daemon_drain(&f->d);
-    uv_run(&f->loop, UV_RUN_DEFAULT);
-    kd_daemon_destroy(&f->d);
-    assert_int_equal(uv_loop_close(&f->loop), 0); /* every handle closed */
-    kp_reader_close(&f->reader);
-    kp_writer_close(&f->w);
-    kp_msg_close(&f->msg);
-    free(f->body);
+    loop_client_close(&f->c);
+    loop_daemon_stop(&f->d, &f->loop);
     free(f);
     current = NULL;
     return 0;
