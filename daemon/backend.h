@@ -115,10 +115,12 @@ typedef struct kd_backend_ops {
     int (*pin_host)(kd_backend *b, void *host, uint64_t size, void **dev, void **handle,
                     kp_error *err);
     void (*unpin_host)(kd_backend *b, void *handle);
-    /* Opens a client's CUDA IPC memory; NULL when unsupported. */
-    int (*open_ipc)(kd_backend *b, const kp_region_register_cuda_params *p, void **dev,
-                    void **handle, kp_error *err);
-    void (*close_ipc)(kd_backend *b, void *handle);
+    /* Opens a client's device memory: a CUDA IPC handle, or (handle_type
+     * posix_fd) the VMM allocation behind fd, which it takes over and closes
+     * in every case (-1 for IPC).  NULL when unsupported. */
+    int (*open_cuda)(kd_backend *b, const kp_region_register_cuda_params *p, int fd, void **dev,
+                     void **handle, kp_error *err);
+    void (*close_cuda)(kd_backend *b, void *handle);
     /* Frees everything; no batch may be in flight. */
     void (*destroy)(kd_backend *b);
 } kd_backend_ops;

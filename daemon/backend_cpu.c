@@ -183,8 +183,8 @@ static const kd_backend_ops cpu_ops = {
     .layer_release = cpu_layer_release,
     .pin_host = NULL,
     .unpin_host = NULL,
-    .open_ipc = NULL,
-    .close_ipc = NULL,
+    .open_cuda = NULL,
+    .close_cuda = NULL,
     .destroy = cpu_destroy,
 };
 

@@ -61,7 +61,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cuda.h> /* driver types for cuMemGetAddressRange, reached through the runtime */
+#include <unistd.h>
+
+#include <cuda.h> /* driver types for the VMM and cuMemGetAddressRange, reached through the runtime */
 #include <cuda_runtime_api.h>
 
 #include "backend.h"
@@ -127,6 +129,29 @@ typedef struct cuda_buf {
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr ptr);
 
+/* The driver's VMM calls that open a client's exported allocation (posix_fd regions); all NULL
+ * if the driver lacks one of them. */
+typedef struct vmm_api {
+    CUresult (*import)(CUmemGenericAllocationHandle *h, void *os_handle, CUmemAllocationHandleType t);
+    CUresult (*props)(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h);
+    CUresult (*granularity)(size_t *g, const CUmemAllocationProp *prop, CUmemAllocationGranularity_flags o);
+    CUresult (*reserve)(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags);
+    CUresult (*map)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                    unsigned long long flags);
+    CUresult (*set_access)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
+    CUresult (*unmap)(CUdeviceptr ptr, size_t size);
+    CUresult (*free_va)(CUdeviceptr ptr, size_t size);
+    CUresult (*release)(CUmemGenericAllocationHandle h);
+} vmm_api;
+
+/* A client's device memory as the backend holds it (the region's handle). */
+typedef struct cuda_region {
+    void *ptr;
+    bool vmm;                           /* posix_fd: imported and mapped here */
+    size_t mapped;                      /* VMM: bytes reserved and mapped at ptr */
+    CUmemGenericAllocationHandle alloc; /* VMM: the imported allocation */
+} cuda_region;
+
 typedef struct cuda_backend {
     kd_backend base;
     kda_cuda *k;
@@ -144,6 +169,7 @@ typedef struct cuda_backend {
     int handles_open;
     bool fatal;
     get_range_fn get_range;  /* NULL if the driver does not export it */
+    vmm_api vmm;
     /* The completion thread and what it shares with the loop (under mu). */
     kd_cuda_completion completion;
     pthread_t waiter;
@@ -823,44 +849,160 @@ static void cuda_unpin_host(kd_backend *b, void *handle)
     cudaHostUnregister(handle);
 }
 
-static int cuda_open_ipc(kd_backend *b, const kp_region_register_cuda_params *p, void **dev,
-                         void **handle, kp_error *err)
+/* A cudaIpcMemHandle_t from cudaIpcGetMemHandle on a cudaMalloc allocation. */
+static int open_ipc(cuda_backend *cb, const kp_region_register_cuda_params *p, cuda_region *cr,
+                    kp_error *err)
 {
-    cuda_backend *cb = (cuda_backend *)b;
-    if (p->handle_type != KP_CUDA_HANDLE_IPC)
-        return kp_fail(err, KP_E_NOT_SUPPORTED, "handle_type: \"posix_fd\" (VMM) regions are "
-                       "not supported by this daemon; use \"ipc\"");
-    if (strcmp(p->device, b->info.gpu_uuid) != 0)
-        return kp_fail(err, KP_E_REGION_INVALID, "device: %s is not this daemon's GPU (%s)",
-                       p->device, b->info.gpu_uuid);
     cudaIpcMemHandle_t h;
     memcpy(&h, p->handle, sizeof(h));
-    void *ptr = NULL;
-    cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+    cudaError_t e = cudaIpcOpenMemHandle(&cr->ptr, h, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess)
         return kp_fail(err, KP_E_REGION_INVALID, "handle: cudaIpcOpenMemHandle: %s",
                        cudaGetErrorString(e));
     CUdeviceptr base = 0;
     size_t alloc = 0;
-    if (cb->get_range && cb->get_range(&base, &alloc, (CUdeviceptr)(uintptr_t)ptr) == CUDA_SUCCESS &&
+    if (cb->get_range && cb->get_range(&base, &alloc, (CUdeviceptr)(uintptr_t)cr->ptr) == CUDA_SUCCESS &&
         p->size > alloc) {
-        cudaIpcCloseMemHandle(ptr);
+        cudaIpcCloseMemHandle(cr->ptr);
         return kp_fail(err, KP_E_REGION_INVALID, "size: %llu bytes exceed the allocation of "
                        "%zu bytes", (unsigned long long)p->size, alloc);
     }
-    *dev = ptr;
-    *handle = ptr;
     return KP_OK;
 }
 
-static void cuda_close_ipc(kd_backend *b, void *handle)
+/* A VMM allocation exported as a POSIX fd (cuMemExportToShareableHandle): imported, given an
+ * address range of its first `size` bytes (rounded up to the allocation granularity) and mapped
+ * read-write for this device.  Takes over fd. */
+static int open_vmm(cuda_backend *cb, uint64_t size, int fd, cuda_region *cr, kp_error *err)
 {
-    cudaIpcCloseMemHandle(handle);
+    const vmm_api *v = &cb->vmm;
+    if (!v->import) {
+        close(fd);
+        return kp_fail(err, KP_E_NOT_SUPPORTED, "handle_type: \"posix_fd\": this driver lacks "
+                       "the VMM calls; use \"ipc\"");
+    }
+    CUresult rc = v->import(&cr->alloc, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(fd);
+    if (rc != CUDA_SUCCESS)
+        return kp_fail(err, KP_E_REGION_INVALID, "the fd is not an exported CUDA allocation "
+                       "(cuMemImportFromShareableHandle: error %d)", (int)rc);
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof(prop));
+    size_t gran = 0;
+    const char *what = NULL;
+    if ((rc = v->props(&prop, cr->alloc)) != CUDA_SUCCESS)
+        what = "cannot read the allocation's properties";
+    else if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != cb->device)
+        what = "the allocation is not in this daemon's GPU memory";
+    else if ((rc = v->granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) != CUDA_SUCCESS ||
+             gran == 0)
+        what = "cannot read the allocation granularity";
+    if (what) {
+        v->release(cr->alloc);
+        return kp_fail(err, KP_E_REGION_INVALID, "%s", what);
+    }
+    cr->mapped = (size_t)((size + gran - 1) / gran * gran);
+    CUdeviceptr ptr = 0;
+    if ((rc = v->reserve(&ptr, cr->mapped, gran, 0, 0)) != CUDA_SUCCESS) {
+        v->release(cr->alloc);
+        return kp_fail(err, KP_E_NO_MEMORY, "no device address range for %zu bytes (error %d)",
+                       cr->mapped, (int)rc);
+    }
+    if ((rc = v->map(ptr, cr->mapped, 0, cr->alloc, 0)) != CUDA_SUCCESS) {
+        v->free_va(ptr, cr->mapped);
+        v->release(cr->alloc);
+        return kp_fail(err, KP_E_REGION_INVALID, "size: %llu bytes (%zu with the allocation "
+                       "granularity) exceed the allocation (cuMemMap: error %d)",
+                       (unsigned long long)size, cr->mapped, (int)rc);
+    }
+    const CUmemAccessDesc access = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = cb->device},
+                                    .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    if ((rc = v->set_access(ptr, cr->mapped, &access, 1)) != CUDA_SUCCESS) {
+        v->unmap(ptr, cr->mapped);
+        v->free_va(ptr, cr->mapped);
+        v->release(cr->alloc);
+        return kp_fail(err, KP_E_REGION_INVALID, "cannot map the allocation read-write "
+                       "(cuMemSetAccess: error %d)", (int)rc);
+    }
+    cr->ptr = (void *)(uintptr_t)ptr;
+    cr->vmm = true;
+    return KP_OK;
+}
+
+static int cuda_open_cuda(kd_backend *b, const kp_region_register_cuda_params *p, int fd,
+                          void **dev, void **handle, kp_error *err)
+{
+    cuda_backend *cb = (cuda_backend *)b;
+    if (strcmp(p->device, b->info.gpu_uuid) != 0) {
+        if (fd >= 0)
+            close(fd);
+        return kp_fail(err, KP_E_REGION_INVALID, "device: %s is not this daemon's GPU (%s)",
+                       p->device, b->info.gpu_uuid);
+    }
+    cuda_region *cr = calloc(1, sizeof(*cr));
+    if (!cr) {
+        if (fd >= 0)
+            close(fd);
+        return kp_fail(err, KP_E_NO_MEMORY, "no memory for a region");
+    }
+    cudaSetDevice(cb->device); /* the driver calls below act on the current context */
+    int rc = p->handle_type == KP_CUDA_HANDLE_POSIX_FD ? open_vmm(cb, p->size, fd, cr, err)
+                                                        : open_ipc(cb, p, cr, err);
+    if (rc != KP_OK) {
+        free(cr);
+        return rc;
+    }
+    *dev = cr->ptr;
+    *handle = cr;
+    return KP_OK;
+}
+
+static void cuda_close_cuda(kd_backend *b, void *handle)
+{
+    cuda_backend *cb = (cuda_backend *)b;
+    cuda_region *cr = handle;
+    if (cr->vmm) {
+        CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)cr->ptr;
+        cb->vmm.unmap(ptr, cr->mapped);
+        cb->vmm.free_va(ptr, cr->mapped);
+        cb->vmm.release(cr->alloc);
+    } else {
+        cudaIpcCloseMemHandle(cr->ptr);
+    }
+    free(cr);
 }
 
 /* ---------------------------------------------------------------------- */
 /* Creation and teardown                                                  */
 /* ---------------------------------------------------------------------- */
+
+/* A driver entry point through the runtime (kdad does not link libcuda itself); NULL if absent. */
+static void *driver_call(const char *name)
+{
+    enum cudaDriverEntryPointQueryResult found;
+    void *fn = NULL;
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+        return NULL;
+    return fn;
+}
+
+static void find_vmm(vmm_api *v)
+{
+    void **calls[] = {(void **)&v->import, (void **)&v->props, (void **)&v->granularity,
+                      (void **)&v->reserve, (void **)&v->map, (void **)&v->set_access,
+                      (void **)&v->unmap, (void **)&v->free_va, (void **)&v->release};
+    static const char *const names[] = {
+        "cuMemImportFromShareableHandle", "cuMemGetAllocationPropertiesFromHandle",
+        "cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess",
+        "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"};
+    for (size_t i = 0; i < sizeof(calls) / sizeof(calls[0]); i++) {
+        if (!(*calls[i] = driver_call(names[i]))) {
+            memset(v, 0, sizeof(*v));
+            return;
+        }
+    }
+}
 
 static void free_buf(cuda_buf *bf, uint32_t nbuckets)
 {
@@ -950,8 +1092,8 @@ static const kd_backend_ops cuda_ops = {
     .layer_release = cuda_layer_release,
     .pin_host = cuda_pin_host,
     .unpin_host = cuda_unpin_host,
-    .open_ipc = cuda_open_ipc,
-    .close_ipc = cuda_close_ipc,
+    .open_cuda = cuda_open_cuda,
+    .close_cuda = cuda_close_cuda,
     .destroy = cuda_destroy,
 };
 
@@ -1105,12 +1247,8 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         goto fail;
     }
 
-    enum cudaDriverEntryPointQueryResult found;
-    void *fn = NULL;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
-                                         &found) == cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-        cb->get_range = (get_range_fn)fn;
+    cb->get_range = (get_range_fn)driver_call("cuMemGetAddressRange");
+    find_vmm(&cb->vmm);
 
     b->info = (kd_backend_info){
         .kind = KP_BACKEND_CUDA,

@@ -428,11 +428,18 @@ static void do_region_register_cuda(kd_req *r)
     }
     if (!(transports(d) & KP_TRANSPORT_CUDA_IPC)) {
         fail_with(r, KP_E_NOT_SUPPORTED, "CUDA regions are not available: %s",
-                  d->backend->ops->open_ipc ? "disabled in the configuration"
-                                            : "this daemon runs the cpu backend");
+                  d->backend->ops->open_cuda ? "disabled in the configuration"
+                                             : "this daemon runs the cpu backend");
         return;
     }
-    if (kd_region_register_cuda(&c->regions, d->backend, &p,
+    if (p.handle_type == KP_CUDA_HANDLE_POSIX_FD && r->fd < 0) {
+        fail_with(r, KP_E_INVALID_PARAMS, "no file descriptor arrived with this frame "
+                  "(handle_type \"posix_fd\" passes the VMM allocation's fd with it)");
+        return;
+    }
+    int fd = r->fd;
+    r->fd = -1; /* kd_region_register_cuda closes it in every case */
+    if (kd_region_register_cuda(&c->regions, d->backend, &p, fd,
                                 c->session.limits.max_regions_per_client, &reg, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;

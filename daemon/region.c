@@ -95,23 +95,32 @@ fail:
 }
 
 int kd_region_register_cuda(kd_regions *rs, kd_backend *b, const kp_region_register_cuda_params *p,
-                            uint32_t max, kd_region **out, kp_error *err)
+                            int fd, uint32_t max, kd_region **out, kp_error *err)
 {
-    if (!b->ops->open_ipc)
-        return kp_fail(err, KP_E_NOT_SUPPORTED, "CUDA regions need the cuda backend; this "
-                       "daemon runs the %s backend", b->info.name);
-    int rc = quota(rs, max, err);
-    if (rc)
-        return rc;
-    kd_region *r = calloc(1, sizeof(*r));
-    if (!r)
-        return kp_fail(err, KP_E_NO_MEMORY, "no memory for a region");
-    *r = (kd_region){.kind = KD_REGION_CUDA, .size = p->size, .backend = b};
-    if ((rc = b->ops->open_ipc(b, p, (void **)&r->dev, &r->handle, err)) != KP_OK) {
-        free(r);
-        return rc;
+    int rc;
+    kd_region *r = NULL;
+    if (!b->ops->open_cuda) {
+        rc = kp_fail(err, KP_E_NOT_SUPPORTED, "CUDA regions need the cuda backend; this "
+                     "daemon runs the %s backend", b->info.name);
+        goto fail;
     }
+    if ((rc = quota(rs, max, err)))
+        goto fail;
+    if (!(r = calloc(1, sizeof(*r)))) {
+        rc = kp_fail(err, KP_E_NO_MEMORY, "no memory for a region");
+        goto fail;
+    }
+    *r = (kd_region){.kind = KD_REGION_CUDA, .size = p->size, .backend = b};
+    rc = b->ops->open_cuda(b, p, fd, (void **)&r->dev, &r->handle, err);
+    fd = -1; /* the backend has closed it */
+    if (rc != KP_OK)
+        goto fail;
     return add(rs, r, out);
+fail:
+    free(r);
+    if (fd >= 0)
+        close(fd);
+    return rc;
 }
 
 kd_region *kd_region_find(const kd_regions *rs, uint32_t id)
@@ -131,7 +140,7 @@ static void destroy(kd_region *r)
             b->ops->unpin_host(b, r->handle);
         munmap(r->host, (size_t)r->size);
     } else {
-        b->ops->close_ipc(b, r->handle);
+        b->ops->close_cuda(b, r->handle);
     }
     kd_region_gone_cb gone = r->gone;
     void *arg = r->gone_arg;

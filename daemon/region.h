@@ -59,9 +59,11 @@ void kd_regions_init(kd_regions *rs);
  */
 int kd_region_register_shm(kd_regions *rs, kd_backend *b, int fd, uint64_t size, uint32_t max,
                            kd_region **out, kp_error *err);
-/* Opens CUDA memory through the backend (KP_E_NOT_SUPPORTED without one). */
+/* Opens CUDA memory through the backend (KP_E_NOT_SUPPORTED without one):
+ * an IPC handle (fd -1), or the VMM allocation behind fd (handle_type
+ * posix_fd), which it closes in every case. */
 int kd_region_register_cuda(kd_regions *rs, kd_backend *b, const kp_region_register_cuda_params *p,
-                            uint32_t max, kd_region **out, kp_error *err);
+                            int fd, uint32_t max, kd_region **out, kp_error *err);
 
 /* A registered (not released) region, or NULL. */
 kd_region *kd_region_find(const kd_regions *rs, uint32_t id);

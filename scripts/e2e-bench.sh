@@ -88,7 +88,7 @@ clients_row() {  # clients_row CLIENTS TRANSPORT [WORKLOAD]
 if [ -z "$only" ]; then
   for heads in 96 64; do
     start_kdad "$heads" bench/e2e-h200.yaml || exit 1
-    latency_rows "$heads" cuda-ipc shm inline
+    latency_rows "$heads" cuda-ipc cuda-vmm shm inline
     if [ "$heads" = 96 ]; then
       for c in 8 64; do
         for t in cuda-ipc shm; do clients_row $c $t; done
@@ -98,7 +98,7 @@ if [ -z "$only" ]; then
   done
 elif [ "$only" = ipc ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
-  latency_rows 96 cuda-ipc
+  latency_rows 96 cuda-ipc cuda-vmm
   clients_row 8 cuda-ipc
   stop_kdad
 fi

@@ -1,9 +1,10 @@
 /*
- * test_daemon_cuda_ipc.c - kdad's CUDA IPC regions on the GPU: the client
- * (this process) holds q/k/v/g/beta and the output in cudaMalloc'd memory,
- * registers it with its IPC handle, and the kernel reads and writes it in
- * place.  The result must equal the inline path bit for bit.  Exits 77 (a
- * skip) without a usable GPU.
+ * test_daemon_cuda_ipc.c - kdad's CUDA regions on the GPU: the client (this
+ * process) holds q/k/v/g/beta and the output in device memory, registers it
+ * (a cudaMalloc allocation by its IPC handle, or a VMM allocation by the
+ * POSIX fd it exports), and the kernel reads and writes it in place.  The
+ * result must equal the inline path bit for bit.  Exits 77 (a skip) without
+ * a usable GPU.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -15,6 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <unistd.h>
+
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include "daemon_harness.h"
@@ -27,6 +31,121 @@
     } while (0)
 
 static const char yaml[] = "heads: 4\nslots: 16\nlog:\n  level: debug\n";
+
+/* A driver call through the runtime (the test does not link libcuda). */
+static void *driver_call(const char *name)
+{
+    enum cudaDriverEntryPointQueryResult found;
+    void *fn = NULL;
+    CUDA_OK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found));
+    assert_int_equal(found, cudaDriverEntryPointSuccess);
+    return fn;
+}
+
+#define DRV_OK(call)                                                               \
+    do {                                                                           \
+        CUresult r_ = (call);                                                      \
+        if (r_ != CUDA_SUCCESS)                                                    \
+            fail_msg("%s: driver error %d", #call, (int)r_);                       \
+    } while (0)
+
+/* Device memory of at least `bytes`: cudaMalloc, or a VMM allocation exported as a POSIX fd. */
+typedef struct dev_mem {
+    uint8_t *ptr;
+    bool vmm;
+    size_t size;                        /* VMM: the mapped (granularity-rounded) size */
+    CUmemGenericAllocationHandle alloc; /* VMM */
+    int fd;                             /* VMM: the export, for region.register_cuda */
+} dev_mem;
+
+static void dev_alloc(dev_mem *m, size_t bytes, bool vmm)
+{
+    memset(m, 0, sizeof(*m));
+    m->fd = -1;
+    m->vmm = vmm;
+    if (!vmm) {
+        CUDA_OK(cudaMalloc((void **)&m->ptr, bytes));
+        m->size = bytes;
+        return;
+    }
+    int device = 0;
+    CUDA_OK(cudaGetDevice(&device));
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof(prop));
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags) =
+        driver_call("cuMemGetAllocationGranularity");
+    CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                       unsigned long long) = driver_call("cuMemCreate");
+    CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long) =
+        driver_call("cuMemAddressReserve");
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) =
+        driver_call("cuMemMap");
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t) =
+        driver_call("cuMemSetAccess");
+    CUresult (*export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                       unsigned long long) = driver_call("cuMemExportToShareableHandle");
+    size_t gran = 0;
+    DRV_OK(granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    m->size = (bytes + gran - 1) / gran * gran;
+    DRV_OK(create(&m->alloc, m->size, &prop, 0));
+    CUdeviceptr p = 0;
+    DRV_OK(reserve(&p, m->size, gran, 0, 0));
+    DRV_OK(map(p, m->size, 0, m->alloc, 0));
+    const CUmemAccessDesc access = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = device},
+                                    .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    DRV_OK(set_access(p, m->size, &access, 1));
+    DRV_OK(export(&m->fd, m->alloc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    m->ptr = (uint8_t *)(uintptr_t)p;
+}
+
+static void dev_free(dev_mem *m)
+{
+    if (!m->vmm) {
+        CUDA_OK(cudaFree(m->ptr));
+        return;
+    }
+    CUresult (*unmap)(CUdeviceptr, size_t) = driver_call("cuMemUnmap");
+    CUresult (*free_va)(CUdeviceptr, size_t) = driver_call("cuMemAddressFree");
+    CUresult (*release)(CUmemGenericAllocationHandle) = driver_call("cuMemRelease");
+    CUdeviceptr p = (CUdeviceptr)(uintptr_t)m->ptr;
+    DRV_OK(unmap(p, m->size));
+    DRV_OK(free_va(p, m->size));
+    DRV_OK(release(m->alloc));
+    if (m->fd >= 0)
+        close(m->fd);
+}
+
+/* region.register_cuda for m's first `size` bytes: the region id, or 0 after the error
+ * `code` (mentioning `what`) when code is not KP_OK. */
+static uint32_t register_mem(dh_client *c, const char *uuid, const dev_mem *m, uint64_t size,
+                             int code, const char *what)
+{
+    cudaIpcMemHandle_t h;
+    kp_region_register_cuda_params rp = {size, uuid, KP_CUDA_HANDLE_POSIX_FD, NULL};
+    if (!m->vmm) {
+        CUDA_OK(cudaIpcGetMemHandle(&h, m->ptr));
+        rp.handle_type = KP_CUDA_HANDLE_IPC;
+        rp.handle = &h;
+    }
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_region_register_cuda_params_encode(&c->w, id, &rp, NULL), KP_OK);
+    if (m->vmm)
+        dh_send_fd(c, m->fd);
+    else
+        dh_send(c);
+    if (code != KP_OK) {
+        dh_expect_error(c, id, code, what);
+        return 0;
+    }
+    dh_expect_result(c, id);
+    kp_region_register_result rr;
+    assert_int_equal(kp_region_register_result_decode(&c->msg, &rr, NULL), KP_OK);
+    return rr.region;
+}
 
 /* hello, keeping the GPU's UUID for region.register_cuda. */
 static void hello(dh_client *c, char *uuid, size_t size)
@@ -45,7 +164,10 @@ static void hello(dh_client *c, char *uuid, size_t size)
     kp_session_from_hello(&c->session, &r);
 }
 
-static void test_ipc_matches_inline(void **unused)
+/* A prefill whose tensors live in the client's device memory equals the inline one bit for
+ * bit; a snapshot goes straight into it; conversions into it and references past it are
+ * refused. */
+static void region_prefill_matches_inline(bool vmm)
 {
     dh_daemon d;
     dh_client c;
@@ -73,8 +195,9 @@ static void test_ipc_matches_inline(void **unused)
                                              : DH_TOKEN_BYTES(len);
         at = (at + n + 255) / 256 * 256;
     }
-    uint8_t *dev = NULL;
-    CUDA_OK(cudaMalloc((void **)&dev, at));
+    dev_mem mem;
+    dev_alloc(&mem, at, vmm);
+    uint8_t *dev = mem.ptr;
     const uint16_t *src[5] = {s.q, s.k, s.v, s.g, s.beta};
     for (int t = 0; t < 5; t++)
         CUDA_OK(cudaMemcpy(dev + off[t], src[t],
@@ -82,26 +205,19 @@ static void test_ipc_matches_inline(void **unused)
                            cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(dev + off[KP_TENSOR_OUT], 0xff, DH_TOKEN_BYTES(len)));
     CUDA_OK(cudaDeviceSynchronize()); /* rule 1: inputs are complete before the request */
-    cudaIpcMemHandle_t h;
-    CUDA_OK(cudaIpcGetMemHandle(&h, dev));
-
-    kp_region_register_cuda_params rp = {at, uuid, KP_CUDA_HANDLE_IPC, &h};
-    uint32_t id = dh_id(&c);
-    assert_int_equal(kp_region_register_cuda_params_encode(&c.w, id, &rp, NULL), KP_OK);
-    dh_send(&c);
-    dh_expect_result(&c, id);
-    kp_region_register_result rr;
-    assert_int_equal(kp_region_register_result_decode(&c.msg, &rr, NULL), KP_OK);
+    /* more than the allocation holds is refused, and the allocation stays usable */
+    register_mem(&c, uuid, &mem, mem.size + (64u << 20), KP_E_REGION_INVALID, "exceed the allocation");
+    const uint32_t region = register_mem(&c, uuid, &mem, at, KP_OK, NULL);
 
     kp_prefill_seq q;
     memset(&q, 0, sizeof(q));
     q.slot = a;
     q.len = len;
     for (int t = 0; t < KP_PREFILL_TENSORS; t++)
-        q.tensors[t] = kp_ref_region(rr.region, off[t], t == KP_TENSOR_BETA ? DH_BETA_BYTES(len)
+        q.tensors[t] = kp_ref_region(region, off[t], t == KP_TENSOR_BETA ? DH_BETA_BYTES(len)
                                                                             : DH_TOKEN_BYTES(len));
     kp_prefill_params p = {"L", &q, 1};
-    id = dh_id(&c);
+    uint32_t id = dh_id(&c);
     assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
     dh_send(&c);
     dh_expect_result(&c, id);
@@ -117,7 +233,7 @@ static void test_ipc_matches_inline(void **unused)
     kp_slot_read_params sp;
     memset(&sp, 0, sizeof(sp));
     sp.slot = a;
-    sp.out = kp_ref_region(rr.region, off[KP_PREFILL_TENSORS], DH_STATE_ELEMS * 4);
+    sp.out = kp_ref_region(region, off[KP_PREFILL_TENSORS], DH_STATE_ELEMS * 4);
     id = dh_id(&c);
     assert_int_equal(kp_slot_read_params_encode(&c.w, id, &sp, NULL), KP_OK);
     dh_send(&c);
@@ -142,12 +258,12 @@ static void test_ipc_matches_inline(void **unused)
     dh_send(&c);
     dh_expect_error(&c, id, KP_E_REGION_BOUNDS, "seqs[0].out");
 
-    kp_region_release_params rel = {rr.region};
+    kp_region_release_params rel = {region};
     id = dh_id(&c);
     assert_int_equal(kp_region_release_params_encode(&c.w, id, &rel, NULL), KP_OK);
     dh_send(&c);
     dh_expect_result(&c, id);
-    CUDA_OK(cudaFree(dev));
+    dev_free(&mem);
     free(via_ipc);
     free(via_inline);
     free(st);
@@ -155,6 +271,16 @@ static void test_ipc_matches_inline(void **unused)
     dh_seq_free(&s);
     dh_close(&c);
     dh_stop(&d);
+}
+
+static void test_ipc_matches_inline(void **unused)
+{
+    region_prefill_matches_inline(false);
+}
+
+static void test_vmm_matches_inline(void **unused)
+{
+    region_prefill_matches_inline(true);
 }
 
 int main(void)
@@ -170,6 +296,7 @@ int main(void)
     dh_stop(&d);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_ipc_matches_inline, dh_teardown),
+        cmocka_unit_test_teardown(test_vmm_matches_inline, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "prefill_io.h"
@@ -85,10 +86,17 @@ int bench_region_init(bench_region *r, const bench_data *d, kdac_client *c, uint
     const kdac_server_info *info = kdac_client_info(c);
     uint64_t bytes = d->lay.inputs + (uint64_t)depth * d->lay.out_block;
     uint8_t handle[KDAC_CUDA_IPC_HANDLE_BYTES];
-    if (bench_cuda_alloc(info->gpu_uuid, bytes, d->image, d->lay.inputs, &r->dev, handle, err))
+    const bool vmm = d->transport == BENCH_CUDA_VMM;
+    int fd = -1;
+    if (bench_cuda_alloc(info->gpu_uuid, bytes, d->image, d->lay.inputs, vmm, &r->dev, handle, &fd,
+                         err))
         return ctl_exit_code(err->code);
     r->out_base = d->lay.inputs;
-    if (kdac_region_register_cuda(c, handle, bytes, NULL, &r->region, err)) {
+    int rc = vmm ? kdac_region_register_cuda_fd(c, fd, bytes, NULL, &r->region, err)
+                 : kdac_region_register_cuda(c, handle, bytes, NULL, &r->region, err);
+    if (fd >= 0)
+        close(fd); /* the daemon holds its own copy */
+    if (rc) {
         bench_cuda_free(r->dev);
         r->dev = NULL;
         return ctl_exit_code(err->code);

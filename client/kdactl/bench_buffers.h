@@ -7,7 +7,9 @@
  *             per (client, in-flight request), registered by every client;
  *   cuda-ipc  per client, a device allocation (cudaMalloc) with the inputs
  *             and its output blocks, registered by its CUDA IPC handle
- *             (bench_cuda.c; not supported when kdactl is built without CUDA).
+ *             (bench_cuda.c; not supported when kdactl is built without CUDA);
+ *   cuda-vmm  the same in a VMM allocation (cuMemCreate), registered by the
+ *             POSIX fd it exports.
  *
  * Layout of an image: q, k, v, g as [S * L][H][128] (a request's sequences
  * packed back to back from token 0, as a varlen batch holds them), then S
@@ -17,11 +19,12 @@
 #ifndef KDACTL_BENCH_BUFFERS_H
 #define KDACTL_BENCH_BUFFERS_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "kdaclient.h"
 
-typedef enum bench_transport { BENCH_INLINE, BENCH_SHM, BENCH_CUDA_IPC } bench_transport;
+typedef enum bench_transport { BENCH_INLINE, BENCH_SHM, BENCH_CUDA_IPC, BENCH_CUDA_VMM } bench_transport;
 
 typedef struct bench_layout {
     uint64_t tensor[4];   /* q, k, v, g */
@@ -44,7 +47,7 @@ typedef struct bench_data {
 typedef struct bench_region {
     uint32_t region;   /* 0 for inline */
     uint64_t out_base; /* offset of this client's first output block */
-    void *dev;         /* cuda-ipc: the device allocation */
+    void *dev;         /* cuda-ipc, cuda-vmm: the device allocation (bench_cuda.c) */
 } bench_region;
 
 /* Fills random inputs for requests of `seqs` sequences of at most max_len
@@ -69,10 +72,12 @@ void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, u
 
 #ifdef KDACTL_WITH_CUDA
 /* bench_cuda.c: a device allocation of `bytes` on the GPU whose UUID is
- * gpu_uuid, starting with a copy of image[0, image_bytes), and its IPC
- * handle.  Returns 0 or KDAC_E_NOT_SUPPORTED / KDAC_E_SYSTEM with err set. */
-int bench_cuda_alloc(const char *gpu_uuid, uint64_t bytes, const void *image,
-                     uint64_t image_bytes, void **dev, uint8_t handle[KDAC_CUDA_IPC_HANDLE_BYTES],
+ * gpu_uuid, starting with a copy of image[0, image_bytes): cudaMalloc and
+ * its IPC handle, or (vmm) cuMemCreate and the POSIX fd it exports (the
+ * caller closes it).  Returns 0 or KDAC_E_NOT_SUPPORTED / KDAC_E_SYSTEM
+ * with err set. */
+int bench_cuda_alloc(const char *gpu_uuid, uint64_t bytes, const void *image, uint64_t image_bytes,
+                     bool vmm, void **dev, uint8_t handle[KDAC_CUDA_IPC_HANDLE_BYTES], int *fd,
                      kdac_error *err);
 void bench_cuda_free(void *dev);
 #endif

@@ -26,7 +26,7 @@
 static const char bench_help[] =
     "Usage: kdactl bench [--clients C] [--depth D] [--requests N | --duration SEC]\n"
     "                    [--tokens T] [--dist fixed|mixed|uniform] [--seqs S]\n"
-    "                    [--lengths L1,L2,...] [--transport inline|shm|cuda-ipc]\n"
+    "                    [--lengths L1,L2,...] [--transport inline|shm|cuda-ipc|cuda-vmm]\n"
     "                    [--warmup W] [--seed X]\n"
     "\n"
     "Load generator: C connections each keep D prefill requests of S sequences in\n"
@@ -45,8 +45,9 @@ static const char bench_help[] =
     "  -L, --lengths LIST     every request holds exactly these sequence lengths, e.g.\n"
     "                         1300,547,2048,963,271,3063 (instead of --tokens, --dist\n"
     "                         and --seqs)\n"
-    "  -x, --transport MODE   inline (default), shm (memfd regions) or cuda-ipc (device\n"
-    "                         memory; needs a CUDA build and the daemon's cuda backend)\n"
+    "  -x, --transport MODE   inline (default), shm (memfd regions), cuda-ipc (device\n"
+    "                         memory, cudaMalloc) or cuda-vmm (device memory, cuMemCreate);\n"
+    "                         both need a CUDA build and the daemon's cuda backend\n"
     "  -w, --warmup W         untimed requests per connection first (default 1)\n"
     "  -s, --seed X           seed of inputs and lengths (default 1)\n"
     "  -P, --spin US          after each answer, poll the sockets without sleeping for up to\n"
@@ -55,7 +56,7 @@ static const char bench_help[] =
 
 typedef enum dist { DIST_FIXED, DIST_UNIFORM, DIST_MIXED, DIST_LIST } dist;
 static const char *const dist_names[] = {"fixed", "uniform", "mixed", "list"};
-static const char *const transport_names[] = {"inline", "shm", "cuda-ipc"};
+static const char *const transport_names[] = {"inline", "shm", "cuda-ipc", "cuda-vmm"};
 static const uint32_t mixed_lengths[] = {1300, 547, 2048, 963, 271, 3063}; /* mean 1365.33 */
 #define NMIXED 6
 #define MAX_LENGTHS 256 /* entries of --lengths */
@@ -322,7 +323,7 @@ static int setup(bench *b)
         const kdac_server_info *info = kdac_client_info(bc->c);
         if (i == 0) {
             static const uint32_t need[] = {KDAC_TRANSPORT_INLINE, KDAC_TRANSPORT_SHM,
-                                            KDAC_TRANSPORT_CUDA_IPC};
+                                            KDAC_TRANSPORT_CUDA_IPC, KDAC_TRANSPORT_CUDA_IPC};
             if (!(info->transports & need[b->o.transport]))
                 return ctl_error(b->g, EXIT_UNSUPPORTED, "%s: not supported: the daemon "
                                  "(backend %s) does not offer this transport",
@@ -570,10 +571,10 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         }
         case 'x': {
             int k = -1;
-            for (int i = 0; i < 3; i++)
+            for (int i = 0; i < (int)(sizeof(transport_names) / sizeof(transport_names[0])); i++)
                 k = strcmp(optarg, transport_names[i]) == 0 ? i : k;
             if (k < 0)
-                return ctl_usage("bench", "--transport: '%s' is not inline, shm or cuda-ipc",
+                return ctl_usage("bench", "--transport: '%s' is not inline, shm, cuda-ipc or cuda-vmm",
                                  optarg);
             o->transport = (bench_transport)k;
             break;
