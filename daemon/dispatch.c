@@ -346,7 +346,7 @@ static void do_slot_info(kd_req *r)
     for (uint32_t i = 0; p.has_slots && i < n; i++) {
         char field[32];
         uint32_t index;
-        snprintf(field, sizeof(field), "slots[%u]", i);
+        kp_field_name(field, sizeof(field), "slots", i, NULL);
         if (kd_pool_resolve(&d->pool, p.list.slots[i], owner, field, &index, &e) != KP_OK) {
             free(info);
             kd_req_fail(r, &e);

@@ -185,14 +185,14 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
     for (uint32_t i = 0; i < p->nseqs; i++) {
         const kp_prefill_seq *q = &p->seqs[i];
         char field[FIELD_MAX];
-        snprintf(field, sizeof(field), "seqs[%u].slot", i);
+        kp_field_name(field, sizeof(field), "seqs", i, "slot");
         if ((rc = resolve(r, q->slot, field, &x->slots[i], e)))
             return rc;
         for (int t = 0; t < KP_PREFILL_TENSORS && q->len > 0; t++) {
             const kp_ref *ref = &q->tensors[t];
             kd_buf *buf = &x->prefill.buf[i][t];
             bool out = t == KP_TENSOR_OUT;
-            snprintf(field, sizeof(field), "seqs[%u].%s", i, kp_prefill_tensor_name(t));
+            kp_field_name(field, sizeof(field), "seqs", i, kp_prefill_tensor_name(t));
             if (ref->kind == KP_REF_ABSENT) { /* inline output: a buffer when the batch forms */
                 x->bytes_out[KP_TRANSPORT_ID_INLINE] += kp_token_tensor_bytes(q->len, heads);
                 cost->stage_out += stage_cost(r, kp_token_tensor_bytes(q->len, heads));
@@ -224,7 +224,7 @@ static int admit_slot_list(kd_req *r, uint32_t *nslots, kp_error *e)
     /* All handles are checked before any slot is touched. */
     for (uint32_t i = 0; i < p.nslots; i++) {
         char field[FIELD_MAX];
-        snprintf(field, sizeof(field), "slots[%u]", i);
+        kp_field_name(field, sizeof(field), "slots", i, NULL);
         if ((rc = resolve(r, p.slots[i], field, &r->exec->slots[i], e)))
             return rc;
     }
@@ -424,7 +424,7 @@ static kd_prepare prepare_prefill(kd_req *r, kd_run *run)
         const kp_prefill_seq *q = &p->seqs[i];
         const kd_slot *s = kd_pool_slot(&d->pool, x->slots[i]);
         char field[FIELD_MAX];
-        snprintf(field, sizeof(field), "seqs[%u].slot", i);
+        kp_field_name(field, sizeof(field), "seqs", i, "slot");
         if (!q->fresh && kd_pool_check_ready(&d->pool, x->slots[i], field, &e) != KP_OK) {
             fail(r, &e);
             return KD_PREPARE_FAILED;

@@ -43,7 +43,8 @@ int dec_open(dec_fields *f, kp_msg *msg, const msgpack_object *obj, const char *
 /* The value of a known key, or NULL when absent. */
 const msgpack_object *dec_get(const dec_fields *f, const char *name);
 
-/* Writes "path.name" (or "name") into buf. */
+/* Writes "path.name" (or "name") into buf, truncated to size.  No printf:
+ * request decoding names every field it reads. */
 void dec_path(const dec_fields *f, const char *name, char *buf, size_t size);
 
 /*
@@ -67,15 +68,19 @@ int dec_str(const dec_fields *f, const char *name, size_t min_len, size_t max_le
 /* A str that must be one of choices (NULL-terminated); *out is its index. */
 int dec_enum(const dec_fields *f, const char *name, const char *const *choices, int *out,
              bool *present, kp_error *err);
-/* A bin of exactly nbytes bytes, referenced in place.  shape explains nbytes
- * in the error ("96 heads x 4 bytes f32"). */
-int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const char *shape,
-            const void **out, bool *present, kp_error *err);
+/* A bin of exactly nbytes bytes, referenced in place.  shape_fmt and its
+ * arguments explain nbytes in the size error ("%u heads x 4 bytes f32"); they
+ * are formatted only when that error is reported. */
+int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const void **out,
+            bool *present, kp_error *err, const char *shape_fmt, ...)
+    __attribute__((format(printf, 7, 8)));
 /* A tensor reference of nbytes bytes: an inline bin when allow_inline, a
  * region map {region >= 1, offset multiple of KP_TENSOR_ALIGN} when
- * allow_region; ABSENT when missing and present != NULL. */
-int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, const char *shape,
-            bool allow_inline, bool allow_region, kp_ref *out, bool *present, kp_error *err);
+ * allow_region; ABSENT when missing and present != NULL.  shape_fmt as for
+ * dec_bin. */
+int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_inline,
+            bool allow_region, kp_ref *out, bool *present, kp_error *err, const char *shape_fmt,
+            ...) __attribute__((format(printf, 9, 10)));
 /* An array of u64 handles, 1..max entries, no value twice, copied into the zone. */
 int dec_handles(const dec_fields *f, const char *name, uint32_t max, kp_slot_list *out,
                 bool *present, kp_error *err);

@@ -11,6 +11,7 @@
  */
 #include <assert.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -298,10 +299,12 @@ const msgpack_object *dec_get(const dec_fields *f, const char *name)
 
 void dec_path(const dec_fields *f, const char *name, char *buf, size_t size)
 {
-    if (f->path[0])
-        snprintf(buf, size, "%s.%s", f->path, name);
-    else
-        snprintf(buf, size, "%s", name);
+    size_t at = 0;
+    if (f->path[0]) {
+        at = kp_strlcpy(buf, f->path, size);
+        at += kp_strlcpy(buf + at, ".", size - at);
+    }
+    kp_strlcpy(buf + at, name, size - at);
 }
 
 int dec_params(dec_fields *f, kp_msg *msg, const char *const *names, kp_error *err)
@@ -463,8 +466,19 @@ int dec_enum(const dec_fields *f, const char *name, const char *const *choices, 
                    list);
 }
 
-int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const char *shape,
-            const void **out, bool *present, kp_error *err)
+/* The size error of a bin: "path: expected N bytes (shape), got M". */
+static int bin_size_error(const dec_fields *f, const char *name, uint64_t nbytes, uint32_t got,
+                          kp_error *err, const char *shape_fmt, va_list ap)
+{
+    char path[DEC_PATH_MAX], shape[96];
+    dec_path(f, name, path, sizeof(path));
+    vsnprintf(shape, sizeof(shape), shape_fmt, ap);
+    return kp_fail(err, f->code, "%s: expected %llu bytes (%s), got %u", path,
+                   (unsigned long long)nbytes, shape, got);
+}
+
+int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const void **out,
+            bool *present, kp_error *err, const char *shape_fmt, ...)
 {
     const msgpack_object *o;
     int rc = lookup(f, name, present, &o, err);
@@ -473,10 +487,11 @@ int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const char *
     if (o->type != MSGPACK_OBJECT_BIN)
         return wrong_type(f, name, "a bin", o, err);
     if (o->via.bin.size != nbytes) {
-        char path[DEC_PATH_MAX];
-        dec_path(f, name, path, sizeof(path));
-        return kp_fail(err, f->code, "%s: expected %llu bytes (%s), got %u", path,
-                       (unsigned long long)nbytes, shape, o->via.bin.size);
+        va_list ap;
+        va_start(ap, shape_fmt);
+        rc = bin_size_error(f, name, nbytes, o->via.bin.size, err, shape_fmt, ap);
+        va_end(ap);
+        return rc;
     }
     *out = o->via.bin.ptr;
     return KP_OK;
@@ -505,8 +520,9 @@ static int dec_region_ref(const dec_fields *f, const char *path, const msgpack_o
     return KP_OK;
 }
 
-int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, const char *shape,
-            bool allow_inline, bool allow_region, kp_ref *out, bool *present, kp_error *err)
+int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_inline,
+            bool allow_region, kp_ref *out, bool *present, kp_error *err, const char *shape_fmt,
+            ...)
 {
     const msgpack_object *o;
     memset(out, 0, sizeof(*out));
@@ -519,9 +535,13 @@ int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, const char *
         if (!allow_inline)
             return kp_fail(err, f->code, "%s: must be a region reference {region, offset}; "
                            "omit it to receive the data inline", path);
-        if (o->via.bin.size != nbytes)
-            return kp_fail(err, f->code, "%s: expected %llu bytes (%s), got %u", path,
-                           (unsigned long long)nbytes, shape, o->via.bin.size);
+        if (o->via.bin.size != nbytes) {
+            va_list ap;
+            va_start(ap, shape_fmt);
+            rc = bin_size_error(f, name, nbytes, o->via.bin.size, err, shape_fmt, ap);
+            va_end(ap);
+            return rc;
+        }
         *out = kp_ref_inline(o->via.bin.ptr, nbytes);
         return KP_OK;
     }

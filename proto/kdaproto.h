@@ -280,6 +280,17 @@ static inline kp_ref kp_ref_region(uint32_t region, uint64_t offset, uint64_t nb
 int kp_ref_check_bounds(const kp_ref *ref, uint64_t region_size, const char *field,
                         kp_error *err);
 
+/* Copies src into dst of size bytes, truncating, always NUL-terminated when
+ * size > 0; returns the length written. */
+size_t kp_strlcpy(char *dst, const char *src, size_t size);
+
+/* Writes the field name "array[index]", or "array[index].member" when member
+ * is not NULL, into buf of size bytes (truncated); returns buf.  Errors name
+ * the field they refuse; this builds the name without printf, cheaply enough
+ * to do for every field of every request. */
+const char *kp_field_name(char *buf, size_t size, const char *array, uint32_t index,
+                          const char *member);
+
 /* ------------------------------------------------------------------------ */
 /* Framing (§Frames): the resumable frame reader                             */
 /* ------------------------------------------------------------------------ */

@@ -716,19 +716,17 @@ int kp_layer_register_params_decode(kp_msg *msg, const kp_session *s, kp_layer_r
 {
     dec_fields f;
     uint32_t heads = s->geometry.heads;
-    char a_shape[64], dt_shape[64];
-    snprintf(a_shape, sizeof(a_shape), "%u heads x 4 bytes f32", heads);
-    snprintf(dt_shape, sizeof(dt_shape), "%u heads x %d x 4 bytes f32", heads, KP_HEAD_DIM);
     memset(p, 0, sizeof(*p));
     p->scale = KP_DEFAULT_SCALE;
     bool has_scale;
     int rc = dec_params(&f, msg, layer_register_fields, err);
     if (rc || (rc = dec_str(&f, "name", 1, KP_NAME_MAX, &p->name, NULL, err)) ||
         (rc = check_layer_name(p->name, err)) ||
-        (rc = dec_ref(&f, "A_log", (uint64_t)heads * 4, a_shape, true, false, &p->A_log, NULL,
-                      err)) ||
-        (rc = dec_ref(&f, "dt_bias", (uint64_t)heads * KP_HEAD_DIM * 4, dt_shape, true, false,
-                      &p->dt_bias, NULL, err)) ||
+        (rc = dec_ref(&f, "A_log", (uint64_t)heads * 4, true, false, &p->A_log, NULL, err,
+                      "%u heads x 4 bytes f32", heads)) ||
+        (rc = dec_ref(&f, "dt_bias", (uint64_t)heads * KP_HEAD_DIM * 4, true, false,
+                      &p->dt_bias, NULL, err, "%u heads x %d x 4 bytes f32", heads,
+                      KP_HEAD_DIM)) ||
         (rc = check_finite_f32(&p->A_log, "A_log", err)) ||
         (rc = check_finite_f32(&p->dt_bias, "dt_bias", err)) ||
         (rc = dec_float(&f, "lower_bound", &p->lower_bound, NULL, err)) ||
@@ -897,8 +895,8 @@ int kp_region_register_cuda_params_decode(kp_msg *msg, const kp_session *s,
     if (rc || (rc = dec_u64(&f, "size", 1, UINT64_MAX, &p->size, NULL, err)) ||
         (rc = dec_str(&f, "device", 1, KP_TEXT_MAX, &p->device, NULL, err)) ||
         (rc = dec_enum(&f, "handle_type", handle_type_names, &type, &has_type, err)) ||
-        (rc = dec_bin(&f, "handle", KP_CUDA_IPC_HANDLE_BYTES, "sizeof(cudaIpcMemHandle_t)",
-                      &p->handle, &has_handle, err)))
+        (rc = dec_bin(&f, "handle", KP_CUDA_IPC_HANDLE_BYTES, &p->handle, &has_handle, err,
+                      "sizeof(cudaIpcMemHandle_t)")))
         return rc;
     p->handle_type = (kp_cuda_handle_type)type;
     if (p->handle_type == KP_CUDA_HANDLE_IPC && !has_handle)

@@ -26,15 +26,12 @@ static uint64_t tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads)
     return t == KP_TENSOR_BETA ? kp_beta_bytes(len, heads) : kp_token_tensor_bytes(len, heads);
 }
 
-/* "len 12 x 96 heads x 128 x 2 bytes bf16", so a size error explains itself. */
-static void tensor_shape(char *buf, size_t size, kp_prefill_tensor t, uint32_t len,
-                         uint32_t heads)
-{
-    if (t == KP_TENSOR_BETA)
-        snprintf(buf, size, "len %u x %u heads x 2 bytes bf16", len, heads);
-    else
-        snprintf(buf, size, "len %u x %u heads x %d x 2 bytes bf16", len, heads, KP_HEAD_DIM);
-}
+/* "len 12 x 96 heads x 128 x 2 bytes bf16": how size errors explain a tensor
+ * (its arguments are len and heads). */
+#define STRINGIFY_(x) #x
+#define STRINGIFY(x) STRINGIFY_(x)
+#define TOKEN_TENSOR_SHAPE "len %u x %u heads x " STRINGIFY(KP_HEAD_DIM) " x 2 bytes bf16"
+#define BETA_SHAPE "len %u x %u heads x 2 bytes bf16"
 
 /* ---------------------------------------------------------------------- */
 /* Params                                                                 */
@@ -102,7 +99,7 @@ static int decode_seq(kp_msg *msg, const kp_session *s, const msgpack_object *ob
     dec_fields f;
     bool present;
     uint32_t heads = s->geometry.heads;
-    snprintf(path, sizeof(path), "seqs[%u]", i);
+    kp_field_name(path, sizeof(path), "seqs", i, NULL);
     memset(q, 0, sizeof(*q));
     int rc = dec_open(&f, msg, obj, path, seq_fields, DEC_STRICT, KP_E_INVALID_PARAMS, err);
     if (rc || (rc = dec_u64(&f, "slot", 0, UINT64_MAX, &q->slot, NULL, err)) ||
@@ -124,12 +121,11 @@ static int decode_seq(kp_msg *msg, const kp_session *s, const msgpack_object *ob
                                path, name);
             continue;
         }
-        char shape[80];
-        tensor_shape(shape, sizeof(shape), t, q->len, heads);
         uint64_t nbytes = tensor_bytes(t, q->len, heads);
         bool is_out = t == KP_TENSOR_OUT;
-        if ((rc = dec_ref(&f, name, nbytes, shape, !is_out, true, &q->tensors[t],
-                          is_out ? &present : NULL, err)))
+        if ((rc = dec_ref(&f, name, nbytes, !is_out, true, &q->tensors[t],
+                          is_out ? &present : NULL, err,
+                          t == KP_TENSOR_BETA ? BETA_SHAPE : TOKEN_TENSOR_SHAPE, q->len, heads)))
             return rc;
         if (q->tensors[t].kind == KP_REF_INLINE)
             sum->inline_in += nbytes; /* <= the frame size: cannot overflow */
@@ -296,7 +292,7 @@ int kp_prefill_check_regions(const kp_prefill_params *p, kp_region_size_fn regio
             if (r->kind != KP_REF_REGION)
                 continue;
             char field[DEC_PATH_MAX];
-            snprintf(field, sizeof(field), "seqs[%u].%s", i, kp_prefill_tensor_name(t));
+            kp_field_name(field, sizeof(field), "seqs", i, kp_prefill_tensor_name(t));
             uint64_t size;
             if (region_size(ctx, r->region, &size) != KP_OK)
                 return kp_fail(err, KP_E_REGION_INVALID, "%s: region %u is not registered on "
@@ -363,16 +359,16 @@ int kp_prefill_result_decode(kp_msg *msg, const kp_session *s, const kp_prefill_
         return err ? err->code : KP_E_NO_MEMORY;
     for (uint32_t i = 0; i < n; i++) {
         const kp_prefill_seq *q = &req->seqs[i];
-        char path[DEC_PATH_MAX], shape[80];
+        char path[DEC_PATH_MAX];
         dec_fields sf;
         bool has_out;
-        snprintf(path, sizeof(path), "seqs[%u]", i);
-        tensor_shape(shape, sizeof(shape), KP_TENSOR_OUT, q->len, s->geometry.heads);
+        kp_field_name(path, sizeof(path), "seqs", i, NULL);
         if ((rc = dec_open(&sf, msg, &arr[i], path, seq_result_fields, DEC_LENIENT,
                            KP_E_PROTOCOL, err)) ||
             (rc = dec_u64(&sf, "pos", 0, UINT64_MAX, &seqs[i].pos, NULL, err)) ||
-            (rc = dec_ref(&sf, "out", kp_token_tensor_bytes(q->len, s->geometry.heads), shape,
-                          true, false, &seqs[i].out, &has_out, err)))
+            (rc = dec_ref(&sf, "out", kp_token_tensor_bytes(q->len, s->geometry.heads), true,
+                          false, &seqs[i].out, &has_out, err, TOKEN_TENSOR_SHAPE, q->len,
+                          s->geometry.heads)))
             return rc;
         bool want_out = q->len > 0 && q->out.kind == KP_REF_ABSENT;
         if (has_out != want_out)

@@ -120,6 +120,36 @@ int kp_limits_check(const kp_limits *l, kp_error *err)
     return KP_OK;
 }
 
+size_t kp_strlcpy(char *dst, const char *src, size_t size)
+{
+    if (size == 0)
+        return 0;
+    size_t n = strnlen(src, size - 1);
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+    return n;
+}
+
+const char *kp_field_name(char *buf, size_t size, const char *array, uint32_t index,
+                          const char *member)
+{
+    char digits[12];
+    size_t nd = 0;
+    do
+        digits[sizeof(digits) - ++nd] = (char)('0' + index % 10);
+    while ((index /= 10) != 0);
+    char idx[16] = "[";
+    memcpy(idx + 1, digits + sizeof(digits) - nd, nd);
+    memcpy(idx + 1 + nd, "]", 2);
+    size_t at = kp_strlcpy(buf, array, size);
+    at += kp_strlcpy(buf + at, idx, size - at);
+    if (member) {
+        at += kp_strlcpy(buf + at, ".", size - at);
+        kp_strlcpy(buf + at, member, size - at);
+    }
+    return buf;
+}
+
 void kp_session_from_hello(kp_session *s, const kp_hello_result *r)
 {
     s->geometry = r->geometry;

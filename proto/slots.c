@@ -13,12 +13,11 @@
 static const char *const dtype_names[] = {"bf16", "f32", NULL};
 static const char *const slot_status_names[] = {"ready", "empty", "lost", NULL};
 
-/* "96 heads x 128 x 128 x 4 bytes f32" */
-static void state_shape(char *buf, size_t size, uint32_t heads, kp_dtype dtype)
-{
-    snprintf(buf, size, "%u heads x %d x %d x %zu bytes %s", heads, KP_HEAD_DIM, KP_HEAD_DIM,
-             kp_dtype_size(dtype), kp_dtype_name(dtype));
-}
+/* "96 heads x 128 x 128 x 4 bytes f32": how size errors explain a state (its
+ * arguments: heads, element bytes, dtype name). */
+#define STATE_SHAPE "%u heads x %d x %d x %zu bytes %s"
+#define STATE_SHAPE_ARGS(heads, dtype) \
+    (heads), KP_HEAD_DIM, KP_HEAD_DIM, kp_dtype_size(dtype), kp_dtype_name(dtype)
 
 static int check_inline_cap(const kp_session *s, const char *field, uint64_t nbytes,
                             kp_error *err)
@@ -199,7 +198,6 @@ int kp_slot_read_params_decode(kp_msg *msg, const kp_session *s, kp_slot_read_pa
     dec_fields f;
     int dtype = s->geometry.state_dtype;
     bool has_out;
-    char shape[64];
     memset(p, 0, sizeof(*p));
     int rc = dec_params(&f, msg, read_fields, err);
     if (rc || (rc = dec_u64(&f, "slot", 0, UINT64_MAX, &p->slot, NULL, err)) ||
@@ -207,8 +205,8 @@ int kp_slot_read_params_decode(kp_msg *msg, const kp_session *s, kp_slot_read_pa
         return rc;
     p->dtype = (kp_dtype)dtype;
     uint64_t nbytes = kp_state_bytes(s->geometry.heads, p->dtype);
-    state_shape(shape, sizeof(shape), s->geometry.heads, p->dtype);
-    if ((rc = dec_ref(&f, "out", nbytes, shape, false, true, &p->out, &has_out, err)))
+    if ((rc = dec_ref(&f, "out", nbytes, false, true, &p->out, &has_out, err, STATE_SHAPE,
+                      STATE_SHAPE_ARGS(s->geometry.heads, p->dtype))))
         return rc;
     if (!has_out)
         return check_inline_cap(s, "state", nbytes, err);
@@ -236,16 +234,15 @@ int kp_slot_read_result_decode(kp_msg *msg, const kp_session *s, kp_slot_read_re
     dec_fields f;
     int dtype;
     bool has_state;
-    char shape[64];
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, read_result_fields, err);
     if (rc || (rc = dec_u64(&f, "pos", 0, UINT64_MAX, &r->pos, NULL, err)) ||
         (rc = dec_enum(&f, "dtype", dtype_names, &dtype, NULL, err)))
         return rc;
     r->dtype = (kp_dtype)dtype;
-    state_shape(shape, sizeof(shape), s->geometry.heads, r->dtype);
-    return dec_ref(&f, "state", kp_state_bytes(s->geometry.heads, r->dtype), shape, true, false,
-                   &r->state, &has_state, err);
+    return dec_ref(&f, "state", kp_state_bytes(s->geometry.heads, r->dtype), true, false,
+                   &r->state, &has_state, err, STATE_SHAPE,
+                   STATE_SHAPE_ARGS(s->geometry.heads, r->dtype));
 }
 
 /* ---------------------------------------------------------------------- */
@@ -272,7 +269,6 @@ int kp_slot_write_params_decode(kp_msg *msg, const kp_session *s, kp_slot_write_
 {
     dec_fields f;
     int dtype;
-    char shape[64];
     memset(p, 0, sizeof(*p));
     int rc = dec_params(&f, msg, write_fields, err);
     if (rc || (rc = dec_u64(&f, "slot", 0, UINT64_MAX, &p->slot, NULL, err)) ||
@@ -281,8 +277,8 @@ int kp_slot_write_params_decode(kp_msg *msg, const kp_session *s, kp_slot_write_
         return rc;
     p->dtype = (kp_dtype)dtype;
     uint64_t nbytes = kp_state_bytes(s->geometry.heads, p->dtype);
-    state_shape(shape, sizeof(shape), s->geometry.heads, p->dtype);
-    if ((rc = dec_ref(&f, "state", nbytes, shape, true, true, &p->state, NULL, err)))
+    if ((rc = dec_ref(&f, "state", nbytes, true, true, &p->state, NULL, err, STATE_SHAPE,
+                      STATE_SHAPE_ARGS(s->geometry.heads, p->dtype))))
         return rc;
     if (p->state.kind == KP_REF_INLINE)
         return check_inline_cap(s, "state", nbytes, err);

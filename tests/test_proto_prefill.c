@@ -311,6 +311,23 @@ static void test_prefill_check_regions(void **state)
     assert_int_equal(kp_ref_check_bounds(&r, 0, "x", &err), KP_OK);
 }
 
+/* Field names in errors are built without printf; they must read as printf would. */
+static void test_field_name(void **state)
+{
+    (void)state;
+    char buf[64];
+    assert_string_equal(kp_field_name(buf, sizeof(buf), "seqs", 0, "q"), "seqs[0].q");
+    assert_string_equal(kp_field_name(buf, sizeof(buf), "slots", 4095, NULL), "slots[4095]");
+    assert_string_equal(kp_field_name(buf, sizeof(buf), "seqs", UINT32_MAX, "beta"),
+                        "seqs[4294967295].beta");
+    /* truncated, always terminated */
+    assert_string_equal(kp_field_name(buf, 8, "seqs", 123, "out"), "seqs[12");
+    assert_string_equal(kp_field_name(buf, 1, "seqs", 1, "out"), "");
+    char big[6];
+    assert_int_equal(kp_strlcpy(big, "abcdefgh", sizeof(big)), 5);
+    assert_string_equal(big, "abcde");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -322,6 +339,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefill_limits, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_result_checked, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_check_regions, prefill_setup, prefill_teardown),
+        cmocka_unit_test(test_field_name),
     };
     return cmocka_run_group_tests(tests, harness_setup, harness_teardown);
 }
