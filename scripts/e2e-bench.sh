@@ -11,12 +11,14 @@
 #
 #   scripts/e2e-bench.sh BIN_DIR      (BIN_DIR holds kdad and kdactl)
 #
+# A "socket round trip" line (kdactl --json ping of 2000 health requests) comes
+# first for each kdad: the floor under any request's latency on this host.
 # Variants: "poll" is bench/e2e-h200.yaml as it is (cuda_completion: poll, the
 # default); "block" repeats the CUDA IPC latency rows and the 8-client row with
 # cuda_completion: block; "spin" repeats them with clients that poll their
 # socket for 200 us before sleeping (kdactl bench --spin); "depth2" is the
 # 8-client row with two requests in flight per client.  E2E_ONLY=nobatch runs only the batching-off rows,
-# E2E_ONLY=ipc only the CUDA IPC rows (both variants), for quick checks.
+# E2E_ONLY=ipc only the device-memory rows (CUDA IPC and VMM, all variants), for quick checks.
 set -uo pipefail
 bin=${1:?usage: e2e-bench.sh BIN_DIR}
 out=${OUT:-/tmp/kdad-e2e}
@@ -70,6 +72,15 @@ measure() {      # measure WORKLOAD KDACTL_BENCH_ARGS...: one JSON line
     "$name" "$variant" "$summary" "$json" "${before:-null}" "${after:-null}" >>"$out/e2e.jsonl"
 }
 
+ping_row() {     # the socket round trip of a health request: the floor under every request's latency
+  local json
+  json=$("$bin/kdactl" --socket "$sock" --json ping --count 2000 2>>"$out/kdactl.err" | tr -d '\n')
+  [ -n "$json" ] || return 0
+  echo "socket round trip (kdactl ping) | p50 $(field "$json" rtt_us_p50) us, p99 $(field "$json" rtt_us_p99) us" |
+    tee -a "$out/e2e-summary.txt"
+  printf '{"workload": "socket round trip", "variant": "%s", "ping": %s}\n' "$variant" "$json" >>"$out/e2e.jsonl"
+}
+
 latency_rows() { # latency_rows HEADS TRANSPORTS...  ($client_args go to every kdactl bench)
   local heads=$1 t n; shift
   for t in "$@"; do
@@ -88,18 +99,20 @@ clients_row() {  # clients_row CLIENTS TRANSPORT [WORKLOAD]
 if [ -z "$only" ]; then
   for heads in 96 64; do
     start_kdad "$heads" bench/e2e-h200.yaml || exit 1
+    ping_row
     latency_rows "$heads" cuda-ipc cuda-vmm shm inline
     if [ "$heads" = 96 ]; then
       for c in 8 64; do
-        for t in cuda-ipc shm; do clients_row $c $t; done
+        for t in cuda-ipc cuda-vmm shm; do clients_row $c $t; done
       done
     fi
     stop_kdad
   done
 elif [ "$only" = ipc ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
+  ping_row
   latency_rows 96 cuda-ipc cuda-vmm
-  clients_row 8 cuda-ipc
+  for t in cuda-ipc cuda-vmm; do clients_row 8 $t; done
   stop_kdad
 fi
 
@@ -120,10 +133,12 @@ fi
 if [ -z "$only" ] || [ "$only" = ipc ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
   variant=spin client_args="--spin 200"
-  latency_rows 96 cuda-ipc
+  latency_rows 96 cuda-ipc cuda-vmm
   variant=depth2 client_args=""
-  measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients 8 --depth 2 \
-    --requests 200 --transport cuda-ipc
+  for t in cuda-ipc cuda-vmm; do
+    measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients 8 --depth 2 \
+      --requests 200 --transport $t
+  done
   variant=poll
   stop_kdad
 fi

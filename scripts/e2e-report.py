@@ -21,6 +21,7 @@ Every row also carries where the daemon's time went:
   variant                                  "poll", "block" (cuda_completion), "spin" (clients
                                            spin 200 us before sleeping), "depth2" (two
                                            requests in flight per client)
+A "socket round trip" line (kdactl ping) gives the host's floor for any request.
 The second table splits each latency row's overhead over the bare kernel into
   client (e2e - run - queue: socket, client, admission),
   queue (arrival to launch: formation, staging), run - device (launch and the
@@ -57,10 +58,13 @@ def phases(before, after):
     return res
 
 
-rows = []
+rows, pings = [], []
 for path in args[1:]:
     for line in open(path):
         rec = json.loads(line)
+        if "ping" in rec:
+            pings.append(rec["ping"])
+            continue
         b, name = rec["bench"], rec["workload"]
         if b["errors"]:
             raise SystemExit(f"{name}: {b['errors']} failed requests: {b['first_error']}")
@@ -114,6 +118,11 @@ for r in rows:
 print()
 print("Where the overhead goes (latency rows, medians per request in us; kernel = the graph in kdad):")
 print()
+for p in pings:
+    print(f"Socket round trip of a health request on this host (kdactl ping, {p['count']} in a row): "
+          f"p50 {p['rtt_us_p50']:.0f} us, p99 {p['rtt_us_p99']:.0f} us; it is part of every "
+          "request's client time.")
+    print()
 print("| workload | transport | e2e - bare kernel | client | queue | run - device | device - kernel "
       "| kernel - bare kernel |")
 print("|---|---|---|---|---|---|---|---|")

@@ -61,6 +61,11 @@ static inline uint64_t juint(json_object *o, const char *path)
     return json_object_get_uint64(jget(o, path));
 }
 
+static inline double jdouble(json_object *o, const char *path)
+{
+    return json_object_get_double(jget(o, path));
+}
+
 static inline const char *jstr(json_object *o, const char *path)
 {
     return json_object_get_string(jget(o, path));

@@ -394,21 +394,6 @@ static void teardown(bench *b)
     bench_data_free(&b->data);
 }
 
-static int cmp_double(const void *x, const void *y)
-{
-    double a = *(const double *)x, c = *(const double *)y;
-    return a < c ? -1 : a > c;
-}
-
-/* The q-quantile of sorted v[n] (nearest rank). */
-static double quantile(const double *v, uint64_t n, double q)
-{
-    if (n == 0)
-        return 0;
-    uint64_t k = (uint64_t)ceil(q * (double)n);
-    return v[k ? k - 1 : 0];
-}
-
 /* Mean and median of column k of the daemon's per-request times. */
 static void daemon_times(const bench *b, int k, double *mean, double *p50)
 {
@@ -422,14 +407,14 @@ static void daemon_times(const bench *b, int k, double *mean, double *p50)
         v[i] = b->daemon_us[i * NDAEMON + k];
         *mean += v[i] / (double)b->nlat;
     }
-    qsort(v, b->nlat, sizeof(double), cmp_double);
+    sort_doubles(v, b->nlat);
     *p50 = quantile(v, b->nlat, 0.5);
     free(v);
 }
 
 static void report(bench *b, double seconds)
 {
-    qsort(b->lat_us, b->nlat, sizeof(double), cmp_double);
+    sort_doubles(b->lat_us, b->nlat);
     uint64_t ok = b->nlat;
     double rps = seconds > 0 ? ok / seconds : 0, tps = seconds > 0 ? b->tokens / seconds : 0;
     double mean = 0;

@@ -4,6 +4,7 @@
  */
 #include <getopt.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -153,45 +154,55 @@ int cmd_ping(ctl *g, int argc, char **argv)
     uint64_t count = 1;
     int rc = simple_options("ping",
                             "Usage: kdactl ping [--count N]\n"
-                            "Connects and times N health round trips (default 1).\n",
+                            "Connects and times N health round trips (default 1): each one up to\n"
+                            "10, then min, p50, mean, p99 and max.\n",
                             argc, argv, &count);
     if (rc >= 0)
         return rc;
+    double *rtt = malloc(count * sizeof(double));
+    if (!rtt)
+        return ctl_error(g, EXIT_INPUT, "out of memory");
     kdac_client *c;
-    if ((rc = ctl_connect(g, &c)))
+    if ((rc = ctl_connect(g, &c))) {
+        free(rtt);
         return rc;
-    double min = 1e30, max = 0, sum = 0;
+    }
+    double sum = 0;
     kdac_health_info h;
     kdac_error err;
     for (uint64_t i = 0; i < count; i++) {
         double t0 = now_s();
         if (kdac_health(c, &h, &err) != KDAC_OK) {
             kdac_client_close(c);
+            free(rtt);
             return ctl_fail(g, "ping", &err);
         }
-        double us = (now_s() - t0) * 1e6;
-        min = us < min ? us : min;
-        max = us > max ? us : max;
-        sum += us;
-        if (!g->json)
+        rtt[i] = (now_s() - t0) * 1e6;
+        sum += rtt[i];
+        if (!g->json && count <= 10)
             printf("pong from %s at %s: %s, %.0f us\n", kdac_client_info(c)->server,
-                   kdac_client_path(c), h.draining ? "draining" : "ok", us);
+                   kdac_client_path(c), h.draining ? "draining" : "ok", rtt[i]);
     }
+    sort_doubles(rtt, count);
+    double p50 = quantile(rtt, count, 0.5), p99 = quantile(rtt, count, 0.99);
     if (g->json) {
         json_object *o = json_object_new_object();
         json_object_object_add(o, "socket", json_object_new_string(kdac_client_path(c)));
         json_object_object_add(o, "server", json_object_new_string(kdac_client_info(c)->server));
         json_object_object_add(o, "status", json_object_new_string(h.draining ? "draining" : "ok"));
         json_object_object_add(o, "count", json_u64(count));
-        json_object_object_add(o, "rtt_us_min", json_object_new_double(min));
+        json_object_object_add(o, "rtt_us_min", json_object_new_double(rtt[0]));
         json_object_object_add(o, "rtt_us_avg", json_object_new_double(sum / count));
-        json_object_object_add(o, "rtt_us_max", json_object_new_double(max));
+        json_object_object_add(o, "rtt_us_p50", json_object_new_double(p50));
+        json_object_object_add(o, "rtt_us_p99", json_object_new_double(p99));
+        json_object_object_add(o, "rtt_us_max", json_object_new_double(rtt[count - 1]));
         ctl_print_json(o);
     } else if (count > 1) {
-        printf("%llu pings: min %.0f us, avg %.0f us, max %.0f us\n", (unsigned long long)count,
-               min, sum / count, max);
+        printf("%llu pings: min %.0f us, p50 %.0f us, avg %.0f us, p99 %.0f us, max %.0f us\n",
+               (unsigned long long)count, rtt[0], p50, sum / count, p99, rtt[count - 1]);
     }
     kdac_client_close(c);
+    free(rtt);
     return EXIT_OK;
 }
 

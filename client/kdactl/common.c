@@ -205,3 +205,22 @@ int ctl_wait(kdac_client *c, const int *count, int target, progress *bar, uint64
     }
     return KDAC_OK;
 }
+
+static int cmp_double(const void *x, const void *y)
+{
+    double a = *(const double *)x, c = *(const double *)y;
+    return a < c ? -1 : a > c;
+}
+
+void sort_doubles(double *v, uint64_t n)
+{
+    qsort(v, n, sizeof(double), cmp_double);
+}
+
+double quantile(const double *v, uint64_t n, double q)
+{
+    if (n == 0)
+        return 0;
+    uint64_t k = (uint64_t)ceil(q * (double)n);
+    return v[k ? k - 1 : 0];
+}

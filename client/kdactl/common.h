@@ -87,6 +87,9 @@ const char *dtype_name(kdac_dtype t);
 void format_bytes(double bytes, char *buf, size_t size);
 /* Monotonic seconds. */
 double now_s(void);
+/* Sorts v[n] ascending; the q-quantile of sorted v[n] (nearest rank; 0 when n is 0). */
+void sort_doubles(double *v, uint64_t n);
+double quantile(const double *v, uint64_t n, double q);
 
 /* Terminal progress bar on stderr (drawn only when g->progress and the
  * total is large enough to be worth it). */
