@@ -7,9 +7,11 @@
  * KD_CUDA_DEPTH (2) buffers of the double buffering a pinned descriptor
  * table, its device copy, pinned and device staging each way, its events,
  * and one graph per size bucket.  A graph is
- *   [copy descriptor table -> device, copy count -> device, kernel(max_seqs = bucket)]
- * so replaying it with a freshly written pinned table runs a new batch; the
- * kernel reads how many descriptors are live from device memory.
+ *   [copy launch table -> device, kernel(max_seqs = bucket)]
+ * where the launch table is [count of live descriptors | descriptors]: one
+ * copy (a copy node costs microseconds of device time), so replaying the
+ * graph with a freshly written pinned table runs a new batch; the kernel
+ * reads how many descriptors are live from device memory.
  *
  * Three streams, ordered by events, so that a batch's copies overlap the
  * kernel of the batch before it:
@@ -101,16 +103,22 @@ typedef struct xfer_list {
     uint32_t n, cap;
 } xfer_list;
 
+/* The launch table: the count, padded so that the descriptors after it are aligned. */
+#define TABLE_HEAD 64
+static size_t table_bytes(uint32_t nseqs)
+{
+    return TABLE_HEAD + (size_t)nseqs * sizeof(kda_seq);
+}
+
 typedef struct cuda_buf {
     struct cuda_backend *owner;
     buf_state state;
     uint64_t seq;           /* submission number: batches finish in this order */
     kd_batch *batch;
     uv_work_t work;
-    kda_seq *desc_host;     /* pinned, max_seqs entries */
-    kda_seq *desc_dev;
-    int32_t *count_host;    /* pinned */
-    int32_t *count_dev;
+    uint8_t *table_host, *table_dev; /* the launch table: pinned, and its device copy */
+    int32_t *count_host, *count_dev; /* in the table: how many descriptors are live */
+    kda_seq *desc_host, *desc_dev;   /* in the table: max_seqs descriptors */
     uint8_t *in_host, *in_dev;   /* staging towards the device */
     uint8_t *out_host, *out_dev; /* staging back */
     uint64_t in_pinned, out_pinned; /* bytes of [0, n) that go through the pinned buffers */
@@ -1019,12 +1027,10 @@ static void free_buf(cuda_buf *bf, uint32_t nbuckets)
         if (*evs[i])
             cudaEventDestroy(*evs[i]);
     }
-    cudaFreeHost(bf->desc_host);
-    cudaFreeHost(bf->count_host);
+    cudaFreeHost(bf->table_host);
     cudaFreeHost(bf->in_host);
     cudaFreeHost(bf->out_host);
-    cudaFree(bf->desc_dev);
-    cudaFree(bf->count_dev);
+    cudaFree(bf->table_dev);
     cudaFree(bf->in_dev);
     cudaFree(bf->out_dev);
     free(bf->outs);
@@ -1105,9 +1111,7 @@ static cudaError_t capture(cuda_backend *cb, cuda_buf *bf, uint32_t bucket, cuda
     cudaError_t e = cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess)
         return e;
-    cudaMemcpyAsync(bf->desc_dev, bf->desc_host, (size_t)bucket * sizeof(kda_seq),
-                    cudaMemcpyHostToDevice, cb->stream);
-    cudaMemcpyAsync(bf->count_dev, bf->count_host, sizeof(int32_t), cudaMemcpyHostToDevice,
+    cudaMemcpyAsync(bf->table_dev, bf->table_host, table_bytes(bucket), cudaMemcpyHostToDevice,
                     cb->stream);
     kda_error kerr;
     int krc = kda_cuda_prefill(cb->k, &cb->base.pool, bf->desc_dev, bf->count_dev,
@@ -1130,13 +1134,11 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
 {
     cudaError_t e;
     bf->owner = cb;
-    size_t desc = (size_t)max_seqs * sizeof(kda_seq);
-    if ((e = cudaMallocHost((void **)&bf->desc_host, desc)) ||
-        (e = cudaMallocHost((void **)&bf->count_host, sizeof(int32_t))) ||
+    size_t table = table_bytes(max_seqs);
+    if ((e = cudaMallocHost((void **)&bf->table_host, table)) ||
         (e = cudaMallocHost((void **)&bf->in_host, cb->stage_bytes)) ||
         (e = cudaMallocHost((void **)&bf->out_host, cb->stage_bytes)) ||
-        (e = cudaMalloc((void **)&bf->desc_dev, desc)) ||
-        (e = cudaMalloc((void **)&bf->count_dev, sizeof(int32_t))) ||
+        (e = cudaMalloc((void **)&bf->table_dev, table)) ||
         (e = cudaMalloc((void **)&bf->in_dev, cb->stage_bytes)) ||
         (e = cudaMalloc((void **)&bf->out_dev, cb->stage_bytes)) ||
         (e = cudaEventCreateWithFlags(&bf->in_ev, cudaEventDisableTiming)) ||
@@ -1149,8 +1151,11 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
                                                        : cudaEventDefault)))
         return e;
     /* The graphs copy whole buckets: never let them read uninitialised bytes. */
-    memset(bf->desc_host, 0, desc);
-    *bf->count_host = 0;
+    memset(bf->table_host, 0, table);
+    bf->count_host = (int32_t *)bf->table_host;
+    bf->count_dev = (int32_t *)bf->table_dev;
+    bf->desc_host = (kda_seq *)(bf->table_host + TABLE_HEAD);
+    bf->desc_dev = (kda_seq *)(bf->table_dev + TABLE_HEAD);
     bf->graphs = calloc(cb->nbuckets, sizeof(*bf->graphs));
     return bf->graphs ? cudaSuccess : cudaErrorMemoryAllocation;
 }

@@ -40,7 +40,7 @@ for step in $steps; do
                 timeout 300 $bin/$t >> "$out/daemon.log" 2>&1 || rc=1
               done
               (exit $rc) ;;
-    e2e)      OUT=$out timeout 500 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
+    e2e)      OUT=$out timeout 560 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
     vtests)   rc=0
               for t in $bin/test_cuda_kernel_*; do
                 [ -x "$t" ] || continue
