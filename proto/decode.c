@@ -477,26 +477,6 @@ static int bin_size_error(const dec_fields *f, const char *name, uint64_t nbytes
                    (unsigned long long)nbytes, shape, got);
 }
 
-int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const void **out,
-            bool *present, kp_error *err, const char *shape_fmt, ...)
-{
-    const msgpack_object *o;
-    int rc = lookup(f, name, present, &o, err);
-    if (rc <= 0)
-        return rc;
-    if (o->type != MSGPACK_OBJECT_BIN)
-        return wrong_type(f, name, "a bin", o, err);
-    if (o->via.bin.size != nbytes) {
-        va_list ap;
-        va_start(ap, shape_fmt);
-        rc = bin_size_error(f, name, nbytes, o->via.bin.size, err, shape_fmt, ap);
-        va_end(ap);
-        return rc;
-    }
-    *out = o->via.bin.ptr;
-    return KP_OK;
-}
-
 /* {"region": id, "offset": bytes} for a reference of nbytes bytes. */
 static int dec_region_ref(const dec_fields *f, const char *path, const msgpack_object *o,
                           uint64_t nbytes, kp_ref *out, kp_error *err)
@@ -520,9 +500,10 @@ static int dec_region_ref(const dec_fields *f, const char *path, const msgpack_o
     return KP_OK;
 }
 
-int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_inline,
-            bool allow_region, kp_ref *out, bool *present, kp_error *err, const char *shape_fmt,
-            ...)
+/* dec_ref with the shape's arguments in a va_list: dec_ref and dec_bin share it. */
+static int vdec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_inline,
+                    bool allow_region, kp_ref *out, bool *present, kp_error *err,
+                    const char *shape_fmt, va_list ap)
 {
     const msgpack_object *o;
     memset(out, 0, sizeof(*out));
@@ -535,13 +516,8 @@ int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_i
         if (!allow_inline)
             return kp_fail(err, f->code, "%s: must be a region reference {region, offset}; "
                            "omit it to receive the data inline", path);
-        if (o->via.bin.size != nbytes) {
-            va_list ap;
-            va_start(ap, shape_fmt);
-            rc = bin_size_error(f, name, nbytes, o->via.bin.size, err, shape_fmt, ap);
-            va_end(ap);
-            return rc;
-        }
+        if (o->via.bin.size != nbytes)
+            return bin_size_error(f, name, nbytes, o->via.bin.size, err, shape_fmt, ap);
         *out = kp_ref_inline(o->via.bin.ptr, nbytes);
         return KP_OK;
     }
@@ -550,7 +526,32 @@ int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_i
             return kp_fail(err, f->code, "%s: must be an inline bin", path);
         return dec_region_ref(f, path, o, nbytes, out, err);
     }
-    return wrong_type(f, name, allow_inline ? "a bin or a region map" : "a region map", o, err);
+    return wrong_type(f, name, !allow_region ? "a bin" : allow_inline ? "a bin or a region map"
+                                                                      : "a region map", o, err);
+}
+
+int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_inline,
+            bool allow_region, kp_ref *out, bool *present, kp_error *err, const char *shape_fmt,
+            ...)
+{
+    va_list ap;
+    va_start(ap, shape_fmt);
+    int rc = vdec_ref(f, name, nbytes, allow_inline, allow_region, out, present, err, shape_fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const void **out,
+            bool *present, kp_error *err, const char *shape_fmt, ...)
+{
+    kp_ref ref;
+    va_list ap;
+    va_start(ap, shape_fmt);
+    int rc = vdec_ref(f, name, nbytes, true, false, &ref, present, err, shape_fmt, ap);
+    va_end(ap);
+    if (rc == KP_OK && ref.kind == KP_REF_INLINE)
+        *out = ref.data;
+    return rc;
 }
 
 int dec_array(const dec_fields *f, const char *name, uint32_t max, bool allow_empty,

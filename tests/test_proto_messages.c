@@ -926,6 +926,8 @@ static void test_region_methods_invalid(void **state)
     edit_set(&e, e.map, "handle", v_bin(handle, 63));
     expect_refused(&e, KP_E_INVALID_PARAMS,
                    "handle: expected 64 bytes (sizeof(cudaIpcMemHandle_t)), got 63");
+    edit_set(&e, e.map, "handle", v_str("abc"));
+    expect_refused(&e, KP_E_INVALID_PARAMS, "handle: expected a bin, got str");
     edit_del(e.map, "handle");
     expect_refused(&e, KP_E_INVALID_PARAMS, "handle: required with handle_type \"ipc\"");
     edit_del(e.map, "handle_type"); /* "ipc" is the default */
