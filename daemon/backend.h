@@ -137,6 +137,9 @@ typedef struct kd_backend_info {
     bool stages_host;           /* host-only buffers are staged (kd_job_cost.stage_*) */
     uint64_t max_stage_in;      /* staging bytes per batch, each way */
     uint64_t max_stage_out;
+    uint32_t wave_chains;       /* (sequence, head) chains the device runs at once (its SMs);
+                                   0: no waves (hold.h gathers nothing) */
+    uint32_t paired_chains;     /* up to this many chains run on two SMs each */
 } kd_backend_info;
 
 struct kd_backend {

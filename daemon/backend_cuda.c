@@ -1265,6 +1265,8 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         .stages_host = true,
         .max_stage_in = cb->stage_bytes,
         .max_stage_out = cb->stage_bytes,
+        .wave_chains = (uint32_t)kda_cuda_sm_count(cb->k),
+        .paired_chains = (uint32_t)kda_cuda_paired_clusters(cb->k),
     };
     snprintf(b->info.gpu_name, sizeof(b->info.gpu_name), "%s", prop.name);
     format_uuid(b->info.gpu_uuid, sizeof(b->info.gpu_uuid), &prop.uuid);

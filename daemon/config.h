@@ -82,6 +82,8 @@ typedef struct kd_config {
     bool hold_while_busy;       /* hold.h [reload] */
     uint32_t hold_fill_percent; /* 1..100 [reload] */
     uint32_t hold_max_us;       /* [reload] */
+    uint32_t gather_us;         /* hold.h, gathering; 0: off [reload] */
+    uint32_t gather_wave_percent; /* 1..100 [reload] */
     /* clients [reload] */
     uint32_t max_connections;
     uint32_t max_connections_per_uid;     /* quota.h */

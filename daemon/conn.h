@@ -79,6 +79,7 @@ typedef struct kd_conn {
     kd_req *req_head, *req_tail; /* unanswered requests, arrival order */
     uint32_t inflight;
     uint64_t inflight_bytes;
+    uint64_t last_prefill_ns;  /* uv_hrtime() of its last prefill answer (hold.h, gathering) */
 
     kd_regions regions;
     kd_sched_group group;      /* fairness in batch formation */

@@ -139,23 +139,59 @@ static bool form_and_submit(kd_daemon *d)
 
 static kd_hold_policy hold_policy(const kd_daemon *d)
 {
-    return (kd_hold_policy){d->cfg.hold_while_busy, d->cfg.hold_fill_percent, d->cfg.hold_max_us};
+    return (kd_hold_policy){d->cfg.hold_while_busy, d->cfg.hold_fill_percent, d->cfg.hold_max_us,
+                            d->cfg.gather_us, d->cfg.gather_wave_percent};
 }
 
-/* Whether the next batch waits for the device to finish (hold.h). */
+/* Whether c's next prefill is likely on its way (hold.h, gathering): it has
+ * none waiting, and one running (to be answered) or answered within
+ * KD_GATHER_RECENT_US. */
+static bool awaited(const kd_conn *c, uint64_t now)
+{
+    if (c->closing)
+        return false;
+    bool running = false;
+    for (const kd_req *r = c->req_head; r; r = r->next) {
+        if (r->method != KP_METHOD_PREFILL)
+            continue;
+        if (r->job.state == KD_JOB_QUEUED)
+            return false;
+        running |= r->job.state == KD_JOB_RUNNING;
+    }
+    return running ||
+           (c->last_prefill_ns && now - c->last_prefill_ns < (uint64_t)KD_GATHER_RECENT_US * 1000u);
+}
+
+static uint32_t awaited_connections(const kd_daemon *d, uint64_t now)
+{
+    uint32_t n = 0;
+    for (const kd_conn *c = d->conns; c; c = c->next)
+        n += awaited(c, now);
+    return n;
+}
+
+/* Whether the next batch waits: for the device to finish, or for more work (hold.h). */
 static bool hold_next(kd_daemon *d)
 {
     kd_hold_policy p = hold_policy(d);
     kd_sched_limits lim = batch_limits(d);
-    kd_hold_verdict v = kd_hold_next(&d->hold, &p, d->backend->on_device > 0,
-                                     &d->sched.runnable, &lim, uv_hrtime());
-    if (v == KD_HOLD_BEGIN)
+    const kd_backend_info *bi = &d->backend->info;
+    uint64_t now = uv_hrtime();
+    bool busy = d->backend->on_device > 0;
+    kd_hold_view v = {busy, &d->sched.runnable, &lim, d->session.geometry.heads, bi->wave_chains,
+                      bi->paired_chains, 0, now};
+    if (!busy && p.gather_us && bi->wave_chains) /* only then does it matter */
+        v.awaited = awaited_connections(d, now);
+    kd_hold_verdict verdict = kd_hold_next(&d->hold, &p, &v);
+    if (verdict == KD_HOLD_BEGIN)
         d->stats.batches_held++;
-    return v != KD_HOLD_GO;
+    else if (verdict == KD_HOLD_GATHER_BEGIN)
+        d->stats.batches_gathered++;
+    return verdict != KD_HOLD_GO;
 }
 
 /*
- * A held batch's deadline (batching.hold_max_us).  The check handle looks on
+ * A held batch's deadline (batching.hold_max_us, or gather_us).  The check handle looks on
  * every turn of the loop: to the microsecond while the loop is awake (in
  * poll mode it is, while cuda batches run).  The timer wakes a sleeping
  * loop; libuv counts it in whole milliseconds of a clock read once per

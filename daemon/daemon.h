@@ -72,7 +72,7 @@ struct kd_daemon {
     uint64_t spin_until_ns;
 
     kd_run *runs;              /* batches in flight */
-    kd_hold hold;              /* the next batch, held while the device is busy */
+    kd_hold hold;              /* the next batch, held while the device is busy or gathered */
     uv_timer_t hold_timer;     /* its deadline, for a sleeping loop */
     uv_check_t hold_check;     /* its deadline, on every turn of an awake loop */
     kd_job **form_scratch;     /* kd_sched_form's output */

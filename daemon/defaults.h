@@ -41,6 +41,9 @@
 #define KD_DEFAULT_SPIN_US 200u                  /* batching.spin_us: the loop polls after answering */
 #define KD_DEFAULT_HOLD_FILL_PERCENT 50u         /* batching.hold_fill_percent: a held batch this full goes */
 #define KD_DEFAULT_HOLD_MAX_US 1000u             /* batching.hold_max_us: the longest a batch is held */
+#define KD_DEFAULT_GATHER_US 150u                /* batching.gather_us: the longest a batch is gathered */
+#define KD_DEFAULT_GATHER_WAVE_PERCENT 85u       /* batching.gather_wave_percent */
+#define KD_GATHER_RECENT_US 2000u                /* fixed: a connection answered this recently is awaited */
 
 /* I/O per wakeup: a busy connection yields the loop to the others after this much. */
 #define KD_READ_BUDGET_BYTES (8u << 20)          /* fixed */

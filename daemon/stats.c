@@ -219,6 +219,9 @@ char *kd_stats_prometheus(const kd_stats *s, const kd_stats_gauges *g, uint64_t 
     METRIC("batches_held_total", "counter",
            "Batches held back while the device was busy (batching.hold_while_busy).");
     fprintf(f, "kdad_batches_held_total %llu\n", (unsigned long long)s->batches_held);
+    METRIC("batches_gathered_total", "counter",
+           "Batches held on an idle device for a fuller last wave (batching.gather_us).");
+    fprintf(f, "kdad_batches_gathered_total %llu\n", (unsigned long long)s->batches_gathered);
     METRIC("sequences_total", "counter", "Prefill sequences completed.");
     fprintf(f, "kdad_sequences_total %llu\n", (unsigned long long)r->seqs);
     METRIC("tokens_total", "counter", "Prefill tokens completed.");

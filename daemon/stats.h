@@ -95,6 +95,7 @@ typedef struct kd_stats {
     uint64_t requests;
     uint64_t batches;
     uint64_t batches_held;     /* held back while the device was busy (hold.h) */
+    uint64_t batches_gathered; /* held on an idle device for a fuller last wave (hold.h) */
     uint64_t seqs;
     uint64_t tokens;
     uint64_t errors[KD_ERROR_SLOTS];   /* by -code */

@@ -71,6 +71,8 @@ static void test_builtin_default(void **unused)
     assert_true(c.hold_while_busy);
     assert_int_equal(c.hold_fill_percent, KD_DEFAULT_HOLD_FILL_PERCENT);
     assert_int_equal(c.hold_max_us, KD_DEFAULT_HOLD_MAX_US);
+    assert_int_equal(c.gather_us, KD_DEFAULT_GATHER_US);
+    assert_int_equal(c.gather_wave_percent, KD_DEFAULT_GATHER_WAVE_PERCENT);
     assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
     assert_int_equal(c.max_connections_per_uid, KD_DEFAULT_MAX_CONNECTIONS_PER_UID);
     assert_int_equal(c.max_inflight_bytes_per_uid, KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID);

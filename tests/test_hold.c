@@ -41,7 +41,11 @@ typedef struct policy_fixture {
     kd_hold h;
 } policy_fixture;
 
-static const kd_hold_policy on = {true, 50, 1000};
+static const kd_hold_policy on = {true, 50, 1000, 0, 85};
+/* the same, gathering for 150 us up to 85% of the SMs */
+static const kd_hold_policy gather = {true, 50, 1000, 150, 85};
+#define HEADS_P 2 /* chains per sequence in the policy tests */
+#define WAVE 8    /* chains the made-up device runs at once */
 /* 1000 tokens, 16 sequences, 1000 bytes staged each way */
 static const kd_sched_limits lim = {1000, 16, 1000, 1000};
 
@@ -86,7 +90,16 @@ static kd_job *push(policy_fixture *f, uint32_t tokens, uint64_t stage_in)
 
 static kd_hold_verdict next(policy_fixture *f, const kd_hold_policy *p, bool busy, uint64_t now)
 {
-    return kd_hold_next(&f->h, p, busy, &f->s.runnable, &lim, now);
+    kd_hold_view v = {busy, &f->s.runnable, &lim, HEADS_P, 0, 0, 0, now};
+    return kd_hold_next(&f->h, p, &v);
+}
+
+/* The same on a device of WAVE chains at once, with `awaited` connections. */
+static kd_hold_verdict next_waves(policy_fixture *f, const kd_hold_policy *p, bool busy,
+                                  uint32_t awaited, uint64_t now)
+{
+    kd_hold_view v = {busy, &f->s.runnable, &lim, HEADS_P, WAVE, 0, awaited, now};
+    return kd_hold_next(&f->h, p, &v);
 }
 
 static void test_idle_device_goes_at_once(void **state)
@@ -141,7 +154,7 @@ static void test_big_enough_goes(void **state)
     run_all(f);
 
     push(f, 999, 0);
-    const kd_hold_policy full = {true, 100, 1000};
+    const kd_hold_policy full = {true, 100, 1000, 0, 85};
     assert_int_equal(next(f, &full, true, T0), KD_HOLD_BEGIN); /* 100%: only a full batch goes */
     push(f, 1, 0);
     assert_int_equal(next(f, &full, true, T0), KD_HOLD_GO);
@@ -166,7 +179,7 @@ static void test_latency_bound(void **state)
 static void test_off_or_nothing_to_hold(void **state)
 {
     policy_fixture *f = *state;
-    const kd_hold_policy off = {false, 50, 1000};
+    const kd_hold_policy off = {false, 50, 1000, 0, 85};
     assert_int_equal(next(f, &on, true, T0), KD_HOLD_GO); /* nothing runnable */
     kd_job *a = push(f, 10, 0);
     assert_int_equal(next(f, &off, true, T0), KD_HOLD_GO);
@@ -176,17 +189,71 @@ static void test_off_or_nothing_to_hold(void **state)
     assert_false(f->h.holding);
 }
 
+/* Chains over the rounds they take, in percent of the SMs. */
+static void test_wave_percent(void **state)
+{
+    (void)state;
+    assert_int_equal(kd_wave_percent(288, 132, 66), 72);  /* 3 requests x 96 heads: 3 rounds */
+    assert_int_equal(kd_wave_percent(384, 132, 66), 96);  /* 4 requests: the same 3 rounds */
+    assert_int_equal(kd_wave_percent(768, 132, 66), 96);
+    assert_int_equal(kd_wave_percent(96, 132, 66), 72);   /* more than pair: one CTA each */
+    assert_int_equal(kd_wave_percent(64, 132, 66), 96);   /* paired: two SMs each */
+    assert_int_equal(kd_wave_percent(132, 132, 0), 100);
+    assert_int_equal(kd_wave_percent(0, 132, 66), 100);
+    assert_int_equal(kd_wave_percent(5, 0, 0), 100);      /* no waves */
+}
+
+/* On an idle device, a batch that fills its last wave poorly waits for awaited work. */
+static void test_gather_fills_the_wave(void **state)
+{
+    policy_fixture *f = *state;
+    push(f, 10, 0); /* 2 of 8 chains */
+    assert_int_equal(next_waves(f, &gather, false, 1, T0), KD_HOLD_GATHER_BEGIN);
+    assert_true(f->h.holding && f->h.gathering);
+    assert_int_equal(kd_hold_deadline(&f->h, &gather), T0 + 150 * US);
+    push(f, 10, 0);
+    push(f, 10, 0); /* 6 of 8: 75% */
+    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 10 * US), KD_HOLD_KEEP);
+    push(f, 10, 0); /* 8 of 8 */
+    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 20 * US), KD_HOLD_GO);
+    assert_false(f->h.holding || f->h.gathering);
+    run_all(f);
+
+    /* nobody awaited, gathering off, or a device without waves: at once */
+    push(f, 10, 0);
+    assert_int_equal(next_waves(f, &gather, false, 0, T0), KD_HOLD_GO);
+    assert_int_equal(next_waves(f, &on, false, 1, T0), KD_HOLD_GO);
+    assert_int_equal(next(f, &gather, false, T0), KD_HOLD_GO);
+    /* gathered gather_us at most */
+    assert_int_equal(next_waves(f, &gather, false, 1, T0), KD_HOLD_GATHER_BEGIN);
+    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 150 * US - 1), KD_HOLD_KEEP);
+    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 150 * US), KD_HOLD_GO);
+}
+
+/* A hold on a busy device becomes a gathering, with its own deadline, when the device finishes. */
+static void test_hold_then_gather(void **state)
+{
+    policy_fixture *f = *state;
+    push(f, 10, 0);
+    assert_int_equal(next_waves(f, &gather, true, 1, T0), KD_HOLD_BEGIN);
+    assert_int_equal(next_waves(f, &gather, true, 1, T0 + 500 * US), KD_HOLD_KEEP);
+    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 600 * US), KD_HOLD_GATHER_BEGIN);
+    assert_int_equal(kd_hold_deadline(&f->h, &gather), T0 + 750 * US);
+    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 750 * US), KD_HOLD_GO);
+}
+
 /* ---------------------------------------------------------------------- */
 /* The engine, with a fake device                                         */
 /* ---------------------------------------------------------------------- */
 
 #define HEADS 2
-#define NSLOTS 8
+#define NSLOTS 12      /* the pool */
+#define CLIENT_SLOTS 8 /* the fixture client's; a second one may take the rest */
 #define SMALL 8    /* tokens: a small request */
 #define BIG 128    /* tokens: 50% of max_batch_tokens */
 #define MAX_BATCHES 8
 
-static const char yaml[] = "heads: 2\nslots: 8\ncpu_threads: 1\n"
+static const char yaml[] = "heads: 2\nslots: 12\ncpu_threads: 1\n"
                            "limits:\n  max_batch_tokens: 256\n"
                            "batching:\n  hold_max_us: 1000000\n";
 
@@ -199,7 +266,7 @@ typedef struct engine_fixture {
     bool completed[MAX_BATCHES];
     uint32_t nbatches;
     loop_client c;                  /* the client's end */
-    uint64_t slot[NSLOTS];
+    uint64_t slot[CLIENT_SLOTS];
     uint8_t zeros[BIG * HEADS * 128 * 2]; /* every input tensor */
 } engine_fixture;
 
@@ -216,9 +283,14 @@ static int fake_submit(kd_backend *b, kd_batch *batch, kp_error *err)
     return KP_OK;
 }
 
+static void send_frame_on(engine_fixture *f, loop_client *c)
+{
+    loop_send_frame(&f->loop, c->fd, &c->w);
+}
+
 static void send_frame(engine_fixture *f)
 {
-    loop_send_frame(&f->loop, f->c.fd, &f->c.w);
+    send_frame_on(f, &f->c);
 }
 
 /* Turns the loop until the daemon has read and admitted what was sent. */
@@ -228,14 +300,19 @@ static void settle(engine_fixture *f)
         uv_run(&f->loop, UV_RUN_NOWAIT);
 }
 
-/* Runs the loop until a response arrives; checks it is a success and returns its id. */
+/* Runs the loop until a response arrives on c; checks it is a success and returns its id. */
+static uint32_t recv_ok_on(engine_fixture *f, loop_client *c)
+{
+    assert_true(loop_recv_msg(&f->loop, c->fd, &c->reader, &c->msg, &c->body));
+    assert_int_equal(c->msg.kind, KP_MSG_RESPONSE);
+    if (c->msg.error)
+        fail_msg("request %u failed", c->msg.id);
+    return c->msg.id;
+}
+
 static uint32_t recv_ok(engine_fixture *f)
 {
-    assert_true(loop_recv_msg(&f->loop, f->c.fd, &f->c.reader, &f->c.msg, &f->c.body));
-    assert_int_equal(f->c.msg.kind, KP_MSG_RESPONSE);
-    if (f->c.msg.error)
-        fail_msg("request %u failed", f->c.msg.id);
-    return f->c.msg.id;
+    return recv_ok_on(f, &f->c);
 }
 
 /* Expects the responses to ids[0..n), in any order. */
@@ -252,18 +329,44 @@ static void expect_answers(engine_fixture *f, const uint32_t *ids, int n)
     }
 }
 
-static void send_prefill(engine_fixture *f, uint32_t id, int slot, uint32_t len)
+/* A prefill of len tokens on c's slot `slot`. */
+static void send_prefill_on(engine_fixture *f, loop_client *c, uint64_t slot, uint32_t id,
+                            uint32_t len)
 {
     uint64_t tb = kp_token_tensor_bytes(len, HEADS);
     kp_prefill_seq q;
     memset(&q, 0, sizeof(q));
-    q.slot = f->slot[slot];
+    q.slot = slot;
     q.len = len;
     q.q = q.k = q.v = q.g = kp_ref_inline(f->zeros, tb);
     q.beta = kp_ref_inline(f->zeros, kp_beta_bytes(len, HEADS));
     kp_prefill_params p = {"l", &q, 1};
-    assert_int_equal(kp_prefill_params_encode(&f->c.w, id, &p, NULL), KP_OK);
-    send_frame(f);
+    assert_int_equal(kp_prefill_params_encode(&c->w, id, &p, NULL), KP_OK);
+    send_frame_on(f, c);
+}
+
+static void send_prefill(engine_fixture *f, uint32_t id, int slot, uint32_t len)
+{
+    send_prefill_on(f, &f->c, f->slot[slot], id, len);
+}
+
+/* Connects c: hello, and n slots of its own into slots[]. */
+static void open_client(engine_fixture *f, loop_client *c, uint64_t *slots, uint32_t n)
+{
+    int fd;
+    assert_non_null(loop_daemon_connect(&f->d, getuid(), &fd));
+    loop_client_init(c, fd);
+    kp_hello_params hp = {{1}, 1, NULL};
+    assert_int_equal(kp_hello_params_encode(&c->w, 1, &hp, NULL), KP_OK);
+    send_frame_on(f, c);
+    assert_int_equal(recv_ok_on(f, c), 1);
+    kp_slot_alloc_params ap = {n, true};
+    assert_int_equal(kp_slot_alloc_params_encode(&c->w, 3, &ap, NULL), KP_OK);
+    send_frame_on(f, c);
+    assert_int_equal(recv_ok_on(f, c), 3);
+    kp_slot_list sl;
+    assert_int_equal(kp_slot_alloc_result_decode(&c->msg, &sl, NULL), KP_OK);
+    memcpy(slots, sl.slots, n * sizeof(*slots));
 }
 
 /* The fake device finished batch i; its outputs are still on their way back. */
@@ -289,14 +392,7 @@ static int engine_setup(void **state)
     f->ops.submit = fake_submit;
     f->d.backend->ops = &f->ops;
     f->d.backend->info.depth = 2; /* as cuda: the next batch may go while one runs */
-    int fd;
-    assert_non_null(loop_daemon_connect(&f->d, getuid(), &fd));
-    loop_client_init(&f->c, fd);
-
-    kp_hello_params hp = {{1}, 1, NULL};
-    assert_int_equal(kp_hello_params_encode(&f->c.w, 1, &hp, NULL), KP_OK);
-    send_frame(f);
-    assert_int_equal(recv_ok(f), 1);
+    open_client(f, &f->c, f->slot, CLIENT_SLOTS);
     float a_log[HEADS] = {0}, dt_bias[HEADS * 128] = {0};
     kp_layer_register_params lp = {"l", kp_ref_inline(a_log, sizeof(a_log)),
                                    kp_ref_inline(dt_bias, sizeof(dt_bias)), -5.0f,
@@ -304,13 +400,6 @@ static int engine_setup(void **state)
     assert_int_equal(kp_layer_register_params_encode(&f->c.w, 2, &lp, NULL), KP_OK);
     send_frame(f);
     assert_int_equal(recv_ok(f), 2);
-    kp_slot_alloc_params ap = {NSLOTS, true};
-    assert_int_equal(kp_slot_alloc_params_encode(&f->c.w, 3, &ap, NULL), KP_OK);
-    send_frame(f);
-    assert_int_equal(recv_ok(f), 3);
-    kp_slot_list sl;
-    assert_int_equal(kp_slot_alloc_result_decode(&f->c.msg, &sl, NULL), KP_OK);
-    memcpy(f->slot, sl.slots, sizeof(f->slot));
     *state = f;
     return 0;
 }
@@ -442,6 +531,83 @@ static void test_hold_off(void **state)
     expect_answers(f, (const uint32_t[]){10, 11}, 2);
 }
 
+/* Makes the fake device one of waves: 4 chains at once (two 1-sequence
+ * requests of HEADS heads), gathering for `gather_us`. */
+static void give_waves(engine_fixture *f, uint32_t gather_us)
+{
+    f->d.backend->info.wave_chains = 2 * HEADS;
+    f->d.backend->info.paired_chains = 0;
+    f->d.cfg.gather_us = gather_us;
+}
+
+/* Two closed-loop clients: once A has been answered, B's request alone (half
+ * a wave) waits for A's next, and both go in one batch.  A alone never waits
+ * for itself. */
+static void test_gathered_until_the_wave_fills(void **state)
+{
+    engine_fixture *f = *state;
+    give_waves(f, 1000000);
+    loop_client b;
+    uint64_t bslot[NSLOTS - CLIENT_SLOTS];
+    open_client(f, &b, bslot, NSLOTS - CLIENT_SLOTS);
+
+    send_prefill(f, 10, 0, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 1); /* nobody else is awaited: at once */
+    complete(f, 0);
+    assert_int_equal(recv_ok(f), 10);
+
+    send_prefill_on(f, &b, bslot[0], 20, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 1); /* half a wave, and A is awaited */
+    assert_int_equal(f->d.stats.batches_gathered, 1);
+    send_prefill(f, 11, 1, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 2); /* a full wave */
+    assert_int_equal(f->batch[1]->nseqs, 2);
+    complete(f, 1);
+    expect_answers(f, (const uint32_t[]){11}, 1);
+    assert_int_equal(recv_ok_on(f, &b), 20);
+
+    /* A alone again, B idle but answered lately: A waits for B ... */
+    send_prefill(f, 12, 2, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 2);
+    /* ... until B closes: nobody is awaited any more */
+    loop_client_close(&b);
+    settle(f);
+    assert_int_equal(f->nbatches, 3);
+    assert_int_equal(f->batch[2]->nseqs, 1);
+    complete(f, 2);
+    assert_int_equal(recv_ok(f), 12);
+}
+
+/* A batch is gathered gather_us at most. */
+static void test_gather_us(void **state)
+{
+    engine_fixture *f = *state;
+    give_waves(f, 20000);
+    loop_client b;
+    uint64_t bslot[NSLOTS - CLIENT_SLOTS];
+    open_client(f, &b, bslot, NSLOTS - CLIENT_SLOTS);
+    send_prefill_on(f, &b, bslot[0], 20, SMALL);
+    settle(f);
+    complete(f, 0);
+    assert_int_equal(recv_ok_on(f, &b), 20);
+
+    uint64_t sent = uv_hrtime();
+    send_prefill(f, 10, 0, SMALL);
+    while (f->nbatches < 2) {
+        uv_run(&f->loop, UV_RUN_ONCE);
+        assert_true(uv_hrtime() - sent < 10ull * 1000 * 1000 * 1000);
+    }
+    assert_true(f->submitted_ns[1] - sent >= 20000 * US);
+    assert_int_equal(f->d.stats.batches_gathered, 1);
+    complete(f, 1);
+    assert_int_equal(recv_ok(f), 10);
+    loop_client_close(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -453,6 +619,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_latency_bound, policy_setup, policy_teardown),
         cmocka_unit_test_setup_teardown(test_off_or_nothing_to_hold, policy_setup,
                                         policy_teardown),
+        cmocka_unit_test(test_wave_percent),
+        cmocka_unit_test_setup_teardown(test_gather_fills_the_wave, policy_setup, policy_teardown),
+        cmocka_unit_test_setup_teardown(test_hold_then_gather, policy_setup, policy_teardown),
         cmocka_unit_test_setup_teardown(test_held_until_the_running_batch_completes,
                                         engine_setup, engine_teardown),
         cmocka_unit_test_setup_teardown(test_held_until_the_device_finishes, engine_setup,
@@ -460,6 +629,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_big_batch_not_held, engine_setup, engine_teardown),
         cmocka_unit_test_setup_teardown(test_hold_max_us, engine_setup, engine_teardown),
         cmocka_unit_test_setup_teardown(test_hold_off, engine_setup, engine_teardown),
+        cmocka_unit_test_setup_teardown(test_gathered_until_the_wave_fills, engine_setup,
+                                        engine_teardown),
+        cmocka_unit_test_setup_teardown(test_gather_us, engine_setup, engine_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
