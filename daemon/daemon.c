@@ -162,12 +162,13 @@ static bool awaited(const kd_conn *c, uint64_t now)
            (c->last_prefill_ns && now - c->last_prefill_ns < (uint64_t)KD_GATHER_RECENT_US * 1000u);
 }
 
-static uint32_t awaited_connections(const kd_daemon *d, uint64_t now)
+static bool any_awaited(const kd_daemon *d, uint64_t now)
 {
-    uint32_t n = 0;
-    for (const kd_conn *c = d->conns; c; c = c->next)
-        n += awaited(c, now);
-    return n;
+    for (const kd_conn *c = d->conns; c; c = c->next) {
+        if (awaited(c, now))
+            return true;
+    }
+    return false;
 }
 
 /* Whether the next batch waits: for the device to finish, or for more work (hold.h). */
@@ -179,9 +180,10 @@ static bool hold_next(kd_daemon *d)
     uint64_t now = uv_hrtime();
     bool busy = d->backend->on_device > 0;
     kd_hold_view v = {busy, &d->sched.runnable, &lim, d->session.geometry.heads, bi->wave_chains,
-                      bi->paired_chains, 0, now};
-    if (!busy && p.gather_us && bi->wave_chains) /* only then does it matter */
-        v.awaited = awaited_connections(d, now);
+                      bi->paired_chains, false, now};
+    /* Only where it matters: the walk over the connections is the costly part. */
+    if (!busy && p.gather_us && d->sched.runnable.seqs && kd_hold_poor_wave(&p, &v))
+        v.awaited = any_awaited(d, now);
     kd_hold_verdict verdict = kd_hold_next(&d->hold, &p, &v);
     if (verdict == KD_HOLD_BEGIN)
         d->stats.batches_held++;

@@ -20,13 +20,17 @@ uint32_t kd_wave_percent(uint64_t chains, uint32_t wave_chains, uint32_t paired_
     return (uint32_t)(100 * chains / (rounds * wave_chains));
 }
 
+bool kd_hold_poor_wave(const kd_hold_policy *p, const kd_hold_view *v)
+{
+    uint64_t chains = v->runnable->seqs * v->chains_per_seq;
+    return v->wave_chains &&
+           kd_wave_percent(chains, v->wave_chains, v->paired_chains) < p->gather_wave_percent;
+}
+
 /* Whether a batch of the runnable work should wait on an idle device for more (hold.h). */
 static bool worth_gathering(const kd_hold_policy *p, const kd_hold_view *v)
 {
-    if (p->gather_us == 0 || v->wave_chains == 0 || v->awaited == 0)
-        return false;
-    uint64_t chains = v->runnable->seqs * v->chains_per_seq;
-    return kd_wave_percent(chains, v->wave_chains, v->paired_chains) < p->gather_wave_percent;
+    return p->gather_us && v->awaited && kd_hold_poor_wave(p, v);
 }
 
 static kd_hold_verdict begin(kd_hold *h, bool gathering, uint64_t now_ns)

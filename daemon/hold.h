@@ -65,7 +65,7 @@ typedef struct kd_hold_view {
     uint32_t chains_per_seq;       /* the pool's heads */
     uint32_t wave_chains;          /* chains the device runs at once; 0: no waves */
     uint32_t paired_chains;        /* up to this many run on two SMs each */
-    uint32_t awaited;              /* connections whose next request is likely on its way */
+    bool awaited;                  /* some connection's next request is likely on its way */
     uint64_t now_ns;               /* a monotonic clock in nanoseconds */
 } kd_hold_view;
 
@@ -84,6 +84,10 @@ typedef enum kd_hold_verdict {
 
 /* Whether the next batch is formed now. */
 kd_hold_verdict kd_hold_next(kd_hold *h, const kd_hold_policy *p, const kd_hold_view *v);
+
+/* Whether the runnable work would keep less than gather_wave_percent of the
+ * SMs busy (the daemon asks before looking for awaited connections). */
+bool kd_hold_poor_wave(const kd_hold_policy *p, const kd_hold_view *v);
 
 /* The percentage of the device's SMs that c chains keep busy over the rounds they take. */
 uint32_t kd_wave_percent(uint64_t chains, uint32_t wave_chains, uint32_t paired_chains);

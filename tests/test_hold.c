@@ -90,13 +90,13 @@ static kd_job *push(policy_fixture *f, uint32_t tokens, uint64_t stage_in)
 
 static kd_hold_verdict next(policy_fixture *f, const kd_hold_policy *p, bool busy, uint64_t now)
 {
-    kd_hold_view v = {busy, &f->s.runnable, &lim, HEADS_P, 0, 0, 0, now};
+    kd_hold_view v = {busy, &f->s.runnable, &lim, HEADS_P, 0, 0, false, now};
     return kd_hold_next(&f->h, p, &v);
 }
 
-/* The same on a device of WAVE chains at once, with `awaited` connections. */
+/* The same on a device of WAVE chains at once; awaited: a connection is. */
 static kd_hold_verdict next_waves(policy_fixture *f, const kd_hold_policy *p, bool busy,
-                                  uint32_t awaited, uint64_t now)
+                                  bool awaited, uint64_t now)
 {
     kd_hold_view v = {busy, &f->s.runnable, &lim, HEADS_P, WAVE, 0, awaited, now};
     return kd_hold_next(&f->h, p, &v);
@@ -208,26 +208,26 @@ static void test_gather_fills_the_wave(void **state)
 {
     policy_fixture *f = *state;
     push(f, 10, 0); /* 2 of 8 chains */
-    assert_int_equal(next_waves(f, &gather, false, 1, T0), KD_HOLD_GATHER_BEGIN);
+    assert_int_equal(next_waves(f, &gather, false, true, T0), KD_HOLD_GATHER_BEGIN);
     assert_true(f->h.holding && f->h.gathering);
     assert_int_equal(kd_hold_deadline(&f->h, &gather), T0 + 150 * US);
     push(f, 10, 0);
     push(f, 10, 0); /* 6 of 8: 75% */
-    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 10 * US), KD_HOLD_KEEP);
+    assert_int_equal(next_waves(f, &gather, false, true, T0 + 10 * US), KD_HOLD_KEEP);
     push(f, 10, 0); /* 8 of 8 */
-    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 20 * US), KD_HOLD_GO);
+    assert_int_equal(next_waves(f, &gather, false, true, T0 + 20 * US), KD_HOLD_GO);
     assert_false(f->h.holding || f->h.gathering);
     run_all(f);
 
     /* nobody awaited, gathering off, or a device without waves: at once */
     push(f, 10, 0);
-    assert_int_equal(next_waves(f, &gather, false, 0, T0), KD_HOLD_GO);
-    assert_int_equal(next_waves(f, &on, false, 1, T0), KD_HOLD_GO);
+    assert_int_equal(next_waves(f, &gather, false, false, T0), KD_HOLD_GO);
+    assert_int_equal(next_waves(f, &on, false, true, T0), KD_HOLD_GO);
     assert_int_equal(next(f, &gather, false, T0), KD_HOLD_GO);
     /* gathered gather_us at most */
-    assert_int_equal(next_waves(f, &gather, false, 1, T0), KD_HOLD_GATHER_BEGIN);
-    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 150 * US - 1), KD_HOLD_KEEP);
-    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 150 * US), KD_HOLD_GO);
+    assert_int_equal(next_waves(f, &gather, false, true, T0), KD_HOLD_GATHER_BEGIN);
+    assert_int_equal(next_waves(f, &gather, false, true, T0 + 150 * US - 1), KD_HOLD_KEEP);
+    assert_int_equal(next_waves(f, &gather, false, true, T0 + 150 * US), KD_HOLD_GO);
 }
 
 /* A hold on a busy device becomes a gathering, with its own deadline, when the device finishes. */
@@ -235,11 +235,11 @@ static void test_hold_then_gather(void **state)
 {
     policy_fixture *f = *state;
     push(f, 10, 0);
-    assert_int_equal(next_waves(f, &gather, true, 1, T0), KD_HOLD_BEGIN);
-    assert_int_equal(next_waves(f, &gather, true, 1, T0 + 500 * US), KD_HOLD_KEEP);
-    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 600 * US), KD_HOLD_GATHER_BEGIN);
+    assert_int_equal(next_waves(f, &gather, true, true, T0), KD_HOLD_BEGIN);
+    assert_int_equal(next_waves(f, &gather, true, true, T0 + 500 * US), KD_HOLD_KEEP);
+    assert_int_equal(next_waves(f, &gather, false, true, T0 + 600 * US), KD_HOLD_GATHER_BEGIN);
     assert_int_equal(kd_hold_deadline(&f->h, &gather), T0 + 750 * US);
-    assert_int_equal(next_waves(f, &gather, false, 1, T0 + 750 * US), KD_HOLD_GO);
+    assert_int_equal(next_waves(f, &gather, false, true, T0 + 750 * US), KD_HOLD_GO);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -540,9 +540,9 @@ static void give_waves(engine_fixture *f, uint32_t gather_us)
     f->d.cfg.gather_us = gather_us;
 }
 
-/* Two closed-loop clients: once A has been answered, B's request alone (half
- * a wave) waits for A's next, and both go in one batch.  A alone never waits
- * for itself. */
+/* Two closed-loop clients.  A's request runs (the device has finished it,
+ * the answer is not out yet), so A is awaited: B's request alone (half a
+ * wave) waits for A's next, and both go in one batch. */
 static void test_gathered_until_the_wave_fills(void **state)
 {
     engine_fixture *f = *state;
@@ -553,33 +553,38 @@ static void test_gathered_until_the_wave_fills(void **state)
 
     send_prefill(f, 10, 0, SMALL);
     settle(f);
-    assert_int_equal(f->nbatches, 1); /* nobody else is awaited: at once */
-    complete(f, 0);
-    assert_int_equal(recv_ok(f), 10);
+    assert_int_equal(f->nbatches, 1); /* nobody is awaited: at once */
+    device_done(f, 0);
 
     send_prefill_on(f, &b, bslot[0], 20, SMALL);
     settle(f);
     assert_int_equal(f->nbatches, 1); /* half a wave, and A is awaited */
     assert_int_equal(f->d.stats.batches_gathered, 1);
+    complete(f, 0);
+    assert_int_equal(recv_ok(f), 10);
     send_prefill(f, 11, 1, SMALL);
     settle(f);
     assert_int_equal(f->nbatches, 2); /* a full wave */
     assert_int_equal(f->batch[1]->nseqs, 2);
     complete(f, 1);
-    expect_answers(f, (const uint32_t[]){11}, 1);
+    assert_int_equal(recv_ok(f), 11);
     assert_int_equal(recv_ok_on(f, &b), 20);
-
-    /* A alone again, B idle but answered lately: A waits for B ... */
-    send_prefill(f, 12, 2, SMALL);
-    settle(f);
-    assert_int_equal(f->nbatches, 2);
-    /* ... until B closes: nobody is awaited any more */
     loop_client_close(&b);
-    settle(f);
-    assert_int_equal(f->nbatches, 3);
-    assert_int_equal(f->batch[2]->nseqs, 1);
-    complete(f, 2);
-    assert_int_equal(recv_ok(f), 12);
+}
+
+/* A lone client never waits for itself: its own request is not awaited. */
+static void test_lone_client_not_gathered(void **state)
+{
+    engine_fixture *f = *state;
+    give_waves(f, 1000000);
+    for (uint32_t i = 0; i < 3; i++) {
+        send_prefill(f, 10 + i, 0, SMALL);
+        settle(f);
+        assert_int_equal(f->nbatches, i + 1);
+        complete(f, i);
+        assert_int_equal(recv_ok(f), 10 + i);
+    }
+    assert_int_equal(f->d.stats.batches_gathered, 0);
 }
 
 /* A batch is gathered gather_us at most. */
@@ -592,8 +597,7 @@ static void test_gather_us(void **state)
     open_client(f, &b, bslot, NSLOTS - CLIENT_SLOTS);
     send_prefill_on(f, &b, bslot[0], 20, SMALL);
     settle(f);
-    complete(f, 0);
-    assert_int_equal(recv_ok_on(f, &b), 20);
+    device_done(f, 0); /* B awaited while its answer is not out */
 
     uint64_t sent = uv_hrtime();
     send_prefill(f, 10, 0, SMALL);
@@ -603,7 +607,9 @@ static void test_gather_us(void **state)
     }
     assert_true(f->submitted_ns[1] - sent >= 20000 * US);
     assert_int_equal(f->d.stats.batches_gathered, 1);
+    complete(f, 0);
     complete(f, 1);
+    assert_int_equal(recv_ok_on(f, &b), 20);
     assert_int_equal(recv_ok(f), 10);
     loop_client_close(&b);
 }
@@ -630,6 +636,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_hold_max_us, engine_setup, engine_teardown),
         cmocka_unit_test_setup_teardown(test_hold_off, engine_setup, engine_teardown),
         cmocka_unit_test_setup_teardown(test_gathered_until_the_wave_fills, engine_setup,
+                                        engine_teardown),
+        cmocka_unit_test_setup_teardown(test_lone_client_not_gathered, engine_setup,
                                         engine_teardown),
         cmocka_unit_test_setup_teardown(test_gather_us, engine_setup, engine_teardown),
     };
