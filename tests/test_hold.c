@@ -267,6 +267,9 @@ typedef struct engine_fixture {
     uint32_t nbatches;
     loop_client c;                  /* the client's end */
     uint64_t slot[CLIENT_SLOTS];
+    loop_client b;                  /* a second client, for gathering (open_b) */
+    uint64_t bslot[NSLOTS - CLIENT_SLOTS];
+    bool b_open;
     uint8_t zeros[BIG * HEADS * 128 * 2]; /* every input tensor */
 } engine_fixture;
 
@@ -412,6 +415,8 @@ static int engine_teardown(void **state)
             complete(f, i);
     }
     loop_client_close(&f->c);
+    if (f->b_open)
+        loop_client_close(&f->b);
     loop_daemon_stop(&f->d, &f->loop);
     free(f);
     current = NULL;
@@ -540,6 +545,13 @@ static void give_waves(engine_fixture *f, uint32_t gather_us)
     f->d.cfg.gather_us = gather_us;
 }
 
+/* Connects the second client, B, with the slots A did not take. */
+static void open_b(engine_fixture *f)
+{
+    open_client(f, &f->b, f->bslot, NSLOTS - CLIENT_SLOTS);
+    f->b_open = true;
+}
+
 /* Two closed-loop clients.  A's request runs (the device has finished it,
  * the answer is not out yet), so A is awaited: B's request alone (half a
  * wave) waits for A's next, and both go in one batch. */
@@ -547,16 +559,14 @@ static void test_gathered_until_the_wave_fills(void **state)
 {
     engine_fixture *f = *state;
     give_waves(f, 1000000);
-    loop_client b;
-    uint64_t bslot[NSLOTS - CLIENT_SLOTS];
-    open_client(f, &b, bslot, NSLOTS - CLIENT_SLOTS);
+    open_b(f);
 
     send_prefill(f, 10, 0, SMALL);
     settle(f);
     assert_int_equal(f->nbatches, 1); /* nobody is awaited: at once */
     device_done(f, 0);
 
-    send_prefill_on(f, &b, bslot[0], 20, SMALL);
+    send_prefill_on(f, &f->b, f->bslot[0], 20, SMALL);
     settle(f);
     assert_int_equal(f->nbatches, 1); /* half a wave, and A is awaited */
     assert_int_equal(f->d.stats.batches_gathered, 1);
@@ -568,8 +578,7 @@ static void test_gathered_until_the_wave_fills(void **state)
     assert_int_equal(f->batch[1]->nseqs, 2);
     complete(f, 1);
     assert_int_equal(recv_ok(f), 11);
-    assert_int_equal(recv_ok_on(f, &b), 20);
-    loop_client_close(&b);
+    assert_int_equal(recv_ok_on(f, &f->b), 20);
 }
 
 /* A lone client never waits for itself: its own request is not awaited. */
@@ -592,10 +601,8 @@ static void test_gather_us(void **state)
 {
     engine_fixture *f = *state;
     give_waves(f, 20000);
-    loop_client b;
-    uint64_t bslot[NSLOTS - CLIENT_SLOTS];
-    open_client(f, &b, bslot, NSLOTS - CLIENT_SLOTS);
-    send_prefill_on(f, &b, bslot[0], 20, SMALL);
+    open_b(f);
+    send_prefill_on(f, &f->b, f->bslot[0], 20, SMALL);
     settle(f);
     device_done(f, 0); /* B awaited while its answer is not out */
 
@@ -609,9 +616,8 @@ static void test_gather_us(void **state)
     assert_int_equal(f->d.stats.batches_gathered, 1);
     complete(f, 0);
     complete(f, 1);
-    assert_int_equal(recv_ok_on(f, &b), 20);
+    assert_int_equal(recv_ok_on(f, &f->b), 20);
     assert_int_equal(recv_ok(f), 10);
-    loop_client_close(&b);
 }
 
 int main(void)
