@@ -162,14 +162,14 @@ static int prefill_seq(const kdac_client *c, const kdac_seq *s, uint32_t i, kp_p
     uint64_t tok = kp_token_tensor_bytes(s->len, heads);
     for (int t = KP_TENSOR_Q; t <= KP_TENSOR_BETA; t++) {
         uint64_t nbytes = t == KP_TENSOR_BETA ? kp_beta_bytes(s->len, heads) : tok;
-        snprintf(field, sizeof(field), "seqs[%u].%s", i, kp_prefill_tensor_name(t));
+        kp_field_name(field, sizeof(field), "seqs", i, kp_prefill_tensor_name(t));
         int rc = input_ref(in[t], nbytes, field, &q->tensors[t], err);
         if (rc)
             return rc;
         if (q->tensors[t].kind == KP_REF_INLINE)
             sums[1] += nbytes;
     }
-    snprintf(field, sizeof(field), "seqs[%u].out", i);
+    kp_field_name(field, sizeof(field), "seqs", i, "out");
     int rc = output_ref(&s->out, tok, field, &q->out, err);
     if (rc)
         return rc;
