@@ -157,6 +157,8 @@ void kd_stats_result(const kd_stats *s, const kd_stats_gauges *g, uint64_t now_n
     r->connections_total = s->connections_total;
     r->requests = s->requests;
     r->batches = s->batches;
+    r->batches_held = s->batches_held;
+    r->batches_gathered = s->batches_gathered;
     r->seqs = s->seqs;
     r->tokens = s->tokens;
     r->latency_count = s->lat_count;

@@ -556,6 +556,9 @@ typedef struct kp_stats_result {
     uint64_t connections_total;  /* accepted since start */
     uint64_t requests;           /* answered, every method */
     uint64_t batches;            /* backend launches */
+    uint64_t batches_held;       /* of those, held while the device was busy (0 from daemons
+                                    before the field) */
+    uint64_t batches_gathered;   /* ... gathered on an idle device (likewise) */
     uint64_t seqs;               /* sequences prefilled */
     uint64_t tokens;             /* tokens prefilled */
     /* prefill latency, frame arrival to response queued, microseconds */

@@ -373,8 +373,8 @@ int kp_health_result_decode(kp_msg *msg, kp_health_result *r, kp_error *err)
 /* ---------------------------------------------------------------------- */
 
 static const char *const stats_fields[] = {
-    "uptime_us", "connections", "connections_total", "requests", "batches", "seqs", "tokens",
-    "latency_us", "pool", "layers", "regions", "errors", "disconnects", "transport_bytes",
+    "uptime_us", "connections", "connections_total", "requests", "batches", "batches_held",
+    "batches_gathered", "seqs", "tokens", "latency_us", "pool", "layers", "regions", "errors", "disconnects", "transport_bytes",
     "prometheus", "batch_us", NULL};
 static const char *const batch_fields[] = {"count", "window", "phases", NULL};
 static const char *const phase_fields[] = {"p50", "p90", "p99", "sum", NULL};
@@ -422,12 +422,14 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         if (rc)
             return rc;
     }
-    enc_result(w, id, 14 + (r->prometheus != NULL) + r->has_batch_phases);
+    enc_result(w, id, 16 + (r->prometheus != NULL) + r->has_batch_phases);
     enc_kv_u64(w, "uptime_us", r->uptime_us);
     enc_kv_u64(w, "connections", r->connections);
     enc_kv_u64(w, "connections_total", r->connections_total);
     enc_kv_u64(w, "requests", r->requests);
     enc_kv_u64(w, "batches", r->batches);
+    enc_kv_u64(w, "batches_held", r->batches_held);
+    enc_kv_u64(w, "batches_gathered", r->batches_gathered);
     enc_kv_u64(w, "seqs", r->seqs);
     enc_kv_u64(w, "tokens", r->tokens);
 
@@ -630,7 +632,7 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
 {
     dec_fields f;
     const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch;
-    bool has_prometheus, has_batch;
+    bool has_prometheus, has_batch, present;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, stats_fields, err);
     if (rc || (rc = dec_u64(&f, "uptime_us", 0, UINT64_MAX, &r->uptime_us, NULL, err)) ||
@@ -639,6 +641,9 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
                       err)) ||
         (rc = dec_u64(&f, "requests", 0, UINT64_MAX, &r->requests, NULL, err)) ||
         (rc = dec_u64(&f, "batches", 0, UINT64_MAX, &r->batches, NULL, err)) ||
+        (rc = dec_u64(&f, "batches_held", 0, UINT64_MAX, &r->batches_held, &present, err)) ||
+        (rc = dec_u64(&f, "batches_gathered", 0, UINT64_MAX, &r->batches_gathered, &present,
+                      err)) ||
         (rc = dec_u64(&f, "seqs", 0, UINT64_MAX, &r->seqs, NULL, err)) ||
         (rc = dec_u64(&f, "tokens", 0, UINT64_MAX, &r->tokens, NULL, err)) ||
         (rc = dec_u32(&f, "layers", 0, UINT32_MAX, &r->layers, NULL, err)) ||

@@ -17,7 +17,8 @@ Every row also carries where the daemon's time went:
   daemon_run_us, daemon_queue_us           the same means (as before)
   batch_phases_us                          per phase, the mean over the
       measurement's batches (from the stats batch_us sums before and after it):
-      form, stage, launch, wait, notice, unstage, reply, total, device, kernel, host
+      form, stage, launch, wait, notice, unstage, reply, total, device, kernel, host;
+      and how many of those batches were held (device busy) or gathered (idle device)
   variant                                  "poll", "block" (cuda_completion), "spin" (clients
                                            spin 200 us before sleeping), "depth2" (two
                                            requests in flight per client)
@@ -52,6 +53,9 @@ def phases(before, after):
     if n <= 0:
         return None
     res = {"batches": n}
+    for k in ["batches_held", "batches_gathered"]:   # kdad 0.1.0 of the sixth session on
+        if k in a and k in b:
+            res[k.replace("batches_", "")] = a[k] - b[k]
     for p in PHASES:
         if p in a["phases"] and p in b["phases"]:
             res[p] = round((a["phases"][p]["sum"] - b["phases"][p]["sum"]) / n, 1)
@@ -138,11 +142,13 @@ for r in rows:
 print()
 print("Per batch, mean us by phase (stats batch_us over each measurement):")
 print()
-print("| workload | transport | clients | batches | " + " | ".join(PHASES) + " |")
-print("|---|---|---|---|" + "---|" * len(PHASES))
+print("| workload | transport | clients | batches | held | gathered | " + " | ".join(PHASES) + " |")
+print("|---|---|---|---|---|---|" + "---|" * len(PHASES))
 for r in rows:
     ph = r.get("batch_phases_us")
     if not ph:
         continue
     cells = " | ".join(f"{ph[p]:.0f}" if p in ph else "-" for p in PHASES)
-    print(f"| {r['workload']}{tag(r)} | {r['transport']} | {r['clients']} | {ph['batches']} | {cells} |")
+    held, gathered = ph.get("held", "-"), ph.get("gathered", "-")
+    print(f"| {r['workload']}{tag(r)} | {r['transport']} | {r['clients']} | {ph['batches']} | "
+          f"{held} | {gathered} | {cells} |")

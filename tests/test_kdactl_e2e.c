@@ -110,6 +110,8 @@ static void test_hello_ping_health_stats(void **state)
     assert_true(jint(o, "connections_total") >= 5); /* the ones above, and this one */
     assert_true(jint(o, "requests") >= 8);
     assert_int_equal(jint(o, "pool.slots"), 64);
+    assert_true(jint(o, "batches_held") <= jint(o, "batches"));
+    assert_int_equal(jint(o, "batches_gathered"), 0); /* the cpu backend has no waves */
     jget(o, "latency_us.p99");
     jget(o, "transport_bytes.shm.in");
     json_object_put(o);

@@ -168,7 +168,8 @@ static void test_health_stats_round_trip(void **state)
     static const kp_counter disconnects[] = {{"peer_closed", 10}};
     kp_stats_result s = {
         .uptime_us = 1, .connections = 2, .connections_total = 3, .requests = 4,
-        .batches = 5, .seqs = 6, .tokens = 7, .latency_count = 15, .latency_p50_us = 80,
+        .batches = 5, .batches_held = 2, .batches_gathered = 1, .seqs = 6, .tokens = 7,
+        .latency_count = 15, .latency_p50_us = 80,
         .latency_p90_us = 900, .latency_p99_us = 9000, .latency_max_us = 20000,
         .latency_bounds_us = bounds, .latency_counts = counts, .latency_nbounds = 4,
         .slots_total = 64, .slots_used = 10, .slots_lost = 1, .layers = 2, .regions = 3,
@@ -184,6 +185,8 @@ static void test_health_stats_round_trip(void **state)
     assert_int_equal(g.connections_total, 3);
     assert_int_equal(g.requests, 4);
     assert_int_equal(g.batches, 5);
+    assert_int_equal(g.batches_held, 2);
+    assert_int_equal(g.batches_gathered, 1);
     assert_int_equal(g.seqs, 6);
     assert_int_equal(g.tokens, 7);
     assert_int_equal(g.latency_count, 15);
@@ -211,6 +214,19 @@ static void test_health_stats_round_trip(void **state)
     assert_false(g.has_batch_phases); /* not sent: an older daemon */
     assert_int_equal(g.nphases, 0);
     wire_close(&x);
+
+    /* A daemon from before the held / gathered counters */
+    ENC(kp_stats_result_encode(&test_writer, 6, &s, &enc_err_));
+    edit e;
+    edit_begin(&e);
+    edit_del(e.map, "batches_held");
+    edit_del(e.map, "batches_gathered");
+    edit_repack(&e);
+    DEC(kp_stats_result_decode(&e.msg, &g, &dec_err_));
+    assert_int_equal(g.batches, 5);
+    assert_int_equal(g.batches_held, 0);
+    assert_int_equal(g.batches_gathered, 0);
+    edit_end(&e);
 
     /* The per-batch phase breakdown. */
     static const kp_phase phases[] = {{"form", 3, 5, 9, 30}, {"device", 1800, 2000, 2500, 18000}};

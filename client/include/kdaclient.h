@@ -590,6 +590,8 @@ typedef struct kdac_stats_info {
     uint64_t connections_total;   /* accepted since start */
     uint64_t requests;            /* answered, every method */
     uint64_t batches;             /* device launches */
+    uint64_t batches_held;        /* of those, held while the device was busy */
+    uint64_t batches_gathered;    /* ... gathered on an idle device for a fuller wave */
     uint64_t seqs, tokens;        /* prefilled */
     /* prefill latency, frame arrival to response queued, in microseconds */
     uint64_t latency_count, latency_p50_us, latency_p90_us, latency_p99_us, latency_max_us;

@@ -253,6 +253,8 @@ static void stats_json(const kdac_stats_info *s)
     json_object_object_add(o, "connections_total", json_u64(s->connections_total));
     json_object_object_add(o, "requests", json_u64(s->requests));
     json_object_object_add(o, "batches", json_u64(s->batches));
+    json_object_object_add(o, "batches_held", json_u64(s->batches_held));
+    json_object_object_add(o, "batches_gathered", json_u64(s->batches_gathered));
     json_object_object_add(o, "seqs", json_u64(s->seqs));
     json_object_object_add(o, "tokens", json_u64(s->tokens));
     json_object *lat = json_object_new_object();
@@ -319,9 +321,11 @@ static void stats_text(const kdac_stats_info *s)
     printf("  connections %u open, %llu since start\n", s->connections,
            (unsigned long long)s->connections_total);
     printf("  requests    %llu answered\n", (unsigned long long)s->requests);
-    printf("  prefill     %llu sequences, %llu tokens in %llu batches\n",
+    printf("  prefill     %llu sequences, %llu tokens in %llu batches (%llu held while the "
+           "device was busy, %llu gathered on an idle one)\n",
            (unsigned long long)s->seqs, (unsigned long long)s->tokens,
-           (unsigned long long)s->batches);
+           (unsigned long long)s->batches, (unsigned long long)s->batches_held,
+           (unsigned long long)s->batches_gathered);
     printf("  latency     %llu prefills: p50 %llu us, p90 %llu us, p99 %llu us, max %llu us\n",
            (unsigned long long)s->latency_count, (unsigned long long)s->latency_p50_us,
            (unsigned long long)s->latency_p90_us, (unsigned long long)s->latency_p99_us,

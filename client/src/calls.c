@@ -620,6 +620,8 @@ static int stats_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *re
     s->connections_total = r.connections_total;
     s->requests = r.requests;
     s->batches = r.batches;
+    s->batches_held = r.batches_held;
+    s->batches_gathered = r.batches_gathered;
     s->seqs = r.seqs;
     s->tokens = r.tokens;
     s->latency_count = r.latency_count;
