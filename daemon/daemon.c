@@ -181,8 +181,10 @@ static bool hold_next(kd_daemon *d)
     bool busy = d->backend->on_device > 0;
     kd_hold_view v = {busy, &d->sched.runnable, &lim, d->session.geometry.heads, bi->wave_chains,
                       bi->paired_chains, false, now};
-    /* Only where it matters: the walk over the connections is the costly part. */
-    if (!busy && p.gather_us && d->sched.runnable.seqs && kd_hold_poor_wave(&p, &v))
+    /* Only where it matters (the walk over the connections is the costly
+     * part), and not while draining: no new work is coming then. */
+    if (!busy && p.gather_us && !d->draining && d->sched.runnable.seqs &&
+        kd_hold_poor_wave(&p, &v))
         v.awaited = any_awaited(d, now);
     kd_hold_verdict verdict = kd_hold_next(&d->hold, &p, &v);
     if (verdict == KD_HOLD_BEGIN)
@@ -510,7 +512,7 @@ void kd_daemon_drain(kd_daemon *d)
               d->backend->inflight);
     kd_notify_stopping();
     kd_server_close(&d->server);
-    maybe_finish_drain(d);
+    kd_daemon_pump(d); /* a gathered batch goes now: no new work is coming (hold.h) */
 }
 
 void kd_daemon_fatal(kd_daemon *d, const char *why)

@@ -581,6 +581,27 @@ static void test_gathered_until_the_wave_fills(void **state)
     assert_int_equal(recv_ok_on(f, &f->b), 20);
 }
 
+/* Draining ends a gathering at once: no new work is coming. */
+static void test_draining_ends_gathering(void **state)
+{
+    engine_fixture *f = *state;
+    give_waves(f, 1000000);
+    open_b(f);
+    send_prefill(f, 10, 0, SMALL);
+    settle(f);
+    device_done(f, 0); /* A awaited while its answer is not out */
+    send_prefill_on(f, &f->b, f->bslot[0], 20, SMALL);
+    settle(f);
+    assert_int_equal(f->nbatches, 1); /* gathered */
+    kd_daemon_drain(&f->d);
+    assert_int_equal(f->nbatches, 2); /* half a wave, at once */
+    assert_int_equal(f->batch[1]->nseqs, 1);
+    complete(f, 0);
+    complete(f, 1);
+    assert_int_equal(recv_ok(f), 10);
+    assert_int_equal(recv_ok_on(f, &f->b), 20);
+}
+
 /* A lone client never waits for itself: its own request is not awaited. */
 static void test_lone_client_not_gathered(void **state)
 {
@@ -644,6 +665,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_gathered_until_the_wave_fills, engine_setup,
                                         engine_teardown),
         cmocka_unit_test_setup_teardown(test_lone_client_not_gathered, engine_setup,
+                                        engine_teardown),
+        cmocka_unit_test_setup_teardown(test_draining_ends_gathering, engine_setup,
                                         engine_teardown),
         cmocka_unit_test_setup_teardown(test_gather_us, engine_setup, engine_teardown),
     };
