@@ -82,9 +82,11 @@ ping_row() {     # the socket round trip of a health request: the floor under ev
 }
 
 latency_rows() { # latency_rows HEADS TRANSPORTS...  ($client_args go to every kdactl bench)
+  # 100 requests over device memory (with 20 the client share of their medians was noisy),
+  # 20 over shared memory (19 ms each), 8 inline (about a second each)
   local heads=$1 t n; shift
   for t in "$@"; do
-    n=20; [ "$t" = inline ] && n=8
+    n=100; [ "$t" = shm ] && n=20; [ "$t" = inline ] && n=8
     measure "H$heads fixed 8192" --lengths 8192 --transport "$t" --requests $n --warmup 2 $client_args
     measure "H$heads mixed" --lengths "$mixed" --transport "$t" --requests $n --warmup 2 $client_args
     measure "H$heads uniform 8x1024" --lengths "$uniform" --transport "$t" --requests $n --warmup 2 $client_args
