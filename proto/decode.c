@@ -290,6 +290,12 @@ int dec_open(dec_fields *f, kp_msg *msg, const msgpack_object *obj, const char *
 
 const msgpack_object *dec_get(const dec_fields *f, const char *name)
 {
+    /* Decoders name fields with the literals of their names lists, which the
+     * compiler merges: comparing pointers usually finds the field. */
+    for (int i = 0; f->names[i]; i++) {
+        if (f->names[i] == name)
+            return f->vals[i];
+    }
     for (int i = 0; f->names[i]; i++) {
         if (strcmp(f->names[i], name) == 0)
             return f->vals[i];

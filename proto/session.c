@@ -133,20 +133,27 @@ size_t kp_strlcpy(char *dst, const char *src, size_t size)
 const char *kp_field_name(char *buf, size_t size, const char *array, uint32_t index,
                           const char *member)
 {
-    char digits[12];
-    size_t nd = 0;
+    if (size == 0)
+        return buf;
+    char digits[10]; /* index, least significant first */
+    int nd = 0;
     do
-        digits[sizeof(digits) - ++nd] = (char)('0' + index % 10);
+        digits[nd++] = (char)('0' + index % 10);
     while ((index /= 10) != 0);
-    char idx[16] = "[";
-    memcpy(idx + 1, digits + sizeof(digits) - nd, nd);
-    memcpy(idx + 1 + nd, "]", 2);
-    size_t at = kp_strlcpy(buf, array, size);
-    at += kp_strlcpy(buf + at, idx, size - at);
-    if (member) {
-        at += kp_strlcpy(buf + at, ".", size - at);
-        kp_strlcpy(buf + at, member, size - at);
-    }
+    char *p = buf, *end = buf + size - 1; /* the last byte is the terminator's */
+    for (const char *s = array; *s && p < end; s++)
+        *p++ = *s;
+    if (p < end)
+        *p++ = '[';
+    while (nd > 0 && p < end)
+        *p++ = digits[--nd];
+    if (p < end)
+        *p++ = ']';
+    if (member && p < end)
+        *p++ = '.';
+    for (const char *s = member; s && *s && p < end; s++)
+        *p++ = *s;
+    *p = '\0';
     return buf;
 }
 
