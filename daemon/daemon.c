@@ -164,6 +164,11 @@ static bool awaited(const kd_conn *c, uint64_t now)
 
 static bool any_awaited(const kd_daemon *d, uint64_t now)
 {
+    /* Without a job running or a prefill answered lately none can be: no walk
+     * over a fleet of idle connections. */
+    if (d->sched.running == 0 &&
+        now - d->last_prefill_ns >= (uint64_t)KD_GATHER_RECENT_US * 1000u)
+        return false;
     for (const kd_conn *c = d->conns; c; c = c->next) {
         if (awaited(c, now))
             return true;

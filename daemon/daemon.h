@@ -73,6 +73,7 @@ struct kd_daemon {
 
     kd_run *runs;              /* batches in flight */
     kd_hold hold;              /* the next batch, held while the device is busy or gathered */
+    uint64_t last_prefill_ns;  /* uv_hrtime() of the last prefill answered, any connection */
     uv_timer_t hold_timer;     /* its deadline, for a sleeping loop */
     uv_check_t hold_check;     /* its deadline, on every turn of an awake loop */
     kd_job **form_scratch;     /* kd_sched_form's output */

@@ -491,7 +491,7 @@ static void finish_prefill(kd_req *r, const kd_batch *b)
     }
     d->stats.seqs += p->nseqs;
     d->stats.tokens += tokens;
-    r->conn->last_prefill_ns = uv_hrtime();
+    r->conn->last_prefill_ns = d->last_prefill_ns = uv_hrtime();
     add_stats(r);
     job_done(r);
 
