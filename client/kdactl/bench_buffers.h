@@ -11,10 +11,10 @@
  *   cuda-vmm  the same in a VMM allocation (cuMemCreate), registered by the
  *             POSIX fd it exports.
  *
- * Layout of an image: q, k, v, g as [S * L][H][128] (a request's sequences
- * packed back to back from token 0, as a varlen batch holds them), then S
- * beta blocks of L * H bf16, each 16-byte aligned, then the output blocks,
- * each [S * L][H][128] and packed the same way.
+ * Layout of an image: q, k, v, g as [T][H][128], T the most tokens a request
+ * holds (its sequences packed back to back from token 0, as a varlen batch
+ * holds them), then S beta blocks of L * H bf16, each 16-byte aligned, then
+ * the output blocks, each [T][H][128] and packed the same way.
  */
 #ifndef KDACTL_BENCH_BUFFERS_H
 #define KDACTL_BENCH_BUFFERS_H

@@ -19,14 +19,6 @@
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == KDAC_CUDA_IPC_HANDLE_BYTES, "IPC handle size");
 
-/* One allocation: ptr from cudaMalloc, or a VMM allocation mapped at ptr. */
-typedef struct bench_cuda_mem {
-    void *ptr;
-    bool vmm;
-    size_t mapped;
-    CUmemGenericAllocationHandle alloc;
-} bench_cuda_mem;
-
 /* The driver's VMM calls kdactl uses. */
 typedef struct vmm_calls {
     CUresult (*create)(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
@@ -42,6 +34,16 @@ typedef struct vmm_calls {
     CUresult (*free_va)(CUdeviceptr ptr, size_t size);
     CUresult (*release)(CUmemGenericAllocationHandle h);
 } vmm_calls;
+
+/* One allocation: ptr from cudaMalloc, or a VMM allocation mapped at ptr (and the calls that
+ * free it, found when it was made). */
+typedef struct bench_cuda_mem {
+    void *ptr;
+    bool vmm;
+    size_t mapped;
+    CUmemGenericAllocationHandle alloc;
+    vmm_calls calls;
+} bench_cuda_mem;
 
 static bool find_vmm_calls(vmm_calls *v)
 {
@@ -86,8 +88,8 @@ static int driver_fail(kdac_error *err, const char *what, CUresult rc)
  * POSIX fd; *fd is that export. */
 static int alloc_vmm(int device, uint64_t bytes, bench_cuda_mem *m, int *fd, kdac_error *err)
 {
-    vmm_calls v;
-    if (!find_vmm_calls(&v))
+    vmm_calls *v = &m->calls;
+    if (!find_vmm_calls(v))
         return ctl_set_error(err, KDAC_E_NOT_SUPPORTED, "cuda-vmm: the driver lacks the VMM calls");
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof(prop));
@@ -96,30 +98,30 @@ static int alloc_vmm(int device, uint64_t bytes, bench_cuda_mem *m, int *fd, kda
     prop.location.id = device;
     prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     size_t gran = 0;
-    CUresult rc = v.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+    CUresult rc = v->granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
     if (rc != CUDA_SUCCESS || gran == 0)
         return driver_fail(err, "cuMemGetAllocationGranularity", rc);
     m->mapped = (size_t)((bytes + gran - 1) / gran * gran);
-    if ((rc = v.create(&m->alloc, m->mapped, &prop, 0)) != CUDA_SUCCESS)
+    if ((rc = v->create(&m->alloc, m->mapped, &prop, 0)) != CUDA_SUCCESS)
         return driver_fail(err, "cuMemCreate", rc);
     CUdeviceptr ptr = 0;
     const CUmemAccessDesc access = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = device},
                                     .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
     const char *what = NULL;
-    if ((rc = v.reserve(&ptr, m->mapped, gran, 0, 0)) != CUDA_SUCCESS)
+    if ((rc = v->reserve(&ptr, m->mapped, gran, 0, 0)) != CUDA_SUCCESS)
         what = "cuMemAddressReserve";
-    else if ((rc = v.map(ptr, m->mapped, 0, m->alloc, 0)) != CUDA_SUCCESS)
+    else if ((rc = v->map(ptr, m->mapped, 0, m->alloc, 0)) != CUDA_SUCCESS)
         what = "cuMemMap";
-    else if ((rc = v.set_access(ptr, m->mapped, &access, 1)) != CUDA_SUCCESS)
+    else if ((rc = v->set_access(ptr, m->mapped, &access, 1)) != CUDA_SUCCESS)
         what = "cuMemSetAccess";
-    else if ((rc = v.export(fd, m->alloc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS)
+    else if ((rc = v->export(fd, m->alloc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS)
         what = "cuMemExportToShareableHandle";
     if (what) {
         if (ptr) {
-            v.unmap(ptr, m->mapped);
-            v.free_va(ptr, m->mapped);
+            v->unmap(ptr, m->mapped);
+            v->free_va(ptr, m->mapped);
         }
-        v.release(m->alloc);
+        v->release(m->alloc);
         return driver_fail(err, what, rc);
     }
     m->ptr = (void *)(uintptr_t)ptr;
@@ -186,13 +188,12 @@ void bench_cuda_free(void *dev)
     bench_cuda_mem *m = dev;
     if (!m)
         return;
-    vmm_calls v;
-    if (m->vmm && find_vmm_calls(&v)) {
+    if (m->vmm) {
         CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)m->ptr;
-        v.unmap(ptr, m->mapped);
-        v.free_va(ptr, m->mapped);
-        v.release(m->alloc);
-    } else if (!m->vmm) {
+        m->calls.unmap(ptr, m->mapped);
+        m->calls.free_va(ptr, m->mapped);
+        m->calls.release(m->alloc);
+    } else {
         cudaFree(m->ptr);
     }
     free(m);
