@@ -79,7 +79,10 @@ static bool can_read(const kd_conn *c)
 
 static void update_events(kd_conn *c)
 {
-    set_events(c, (can_read(c) ? UV_READABLE : 0) | (c->out_head ? UV_WRITABLE : 0));
+    if (c->ring_on) /* the socket carries doorbells: always read, never wait to write */
+        set_events(c, c->closing ? 0 : UV_READABLE);
+    else
+        set_events(c, (can_read(c) ? UV_READABLE : 0) | (c->out_head ? UV_WRITABLE : 0));
 }
 
 /* Whether a new connection is served: KD_DISC_COUNT, or the reason it is
@@ -244,6 +247,10 @@ static void on_closed(uv_handle_t *h)
     free(c->rbuf);
     c->rbuf = NULL;
     c->d->stats.connections--;
+    if (c->ring_region)
+        kd_region_unref(c->ring_region);
+    c->ring_region = NULL;
+    c->ring_on = false;
     kd_conn_unref(c);
 }
 
@@ -320,24 +327,120 @@ static void check_output_limits(kd_conn *c)
     }
 }
 
+/* The unsent part of the head frame as at most SEND_IOV_MAX iovecs. */
+static size_t out_iov(const kd_out *o, struct iovec *v)
+{
+    size_t n, cnt = 0;
+    const struct iovec *iov = kp_writer_iov(&o->w, &n);
+    for (size_t i = o->iov_index; i < n && cnt < SEND_IOV_MAX; i++, cnt++) {
+        v[cnt] = iov[i];
+        if (i == o->iov_index) {
+            v[cnt].iov_base = (uint8_t *)v[cnt].iov_base + o->iov_offset;
+            v[cnt].iov_len -= o->iov_offset;
+        }
+    }
+    return cnt;
+}
+
+/* Marks `sent` bytes of the head frame written; frees it when complete. */
+static void out_advance(kd_conn *c, size_t sent)
+{
+    kd_out *o = c->out_head;
+    size_t n;
+    const struct iovec *iov = kp_writer_iov(&o->w, &n);
+    o->started = true;
+    c->out_bytes -= (uint64_t)sent;
+    while (sent > 0 && o->iov_index < n) {
+        size_t avail = iov[o->iov_index].iov_len - o->iov_offset;
+        size_t step = sent < avail ? sent : avail;
+        o->iov_offset += step;
+        sent -= step;
+        if (o->iov_offset == iov[o->iov_index].iov_len) {
+            o->iov_index++;
+            o->iov_offset = 0;
+        }
+    }
+    if (o->iov_index == n) {
+        c->out_head = o->next;
+        if (!c->out_head)
+            c->out_tail = NULL;
+        kd_out_free(o);
+    }
+}
+
+/* One byte on the socket wakes a ring peer that sleeps on it.  A full socket
+ * means a wake-up is pending already. */
+static void ring_doorbell(kd_conn *c)
+{
+    static const uint8_t bell = 0;
+    (void)send(c->fd, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+/* Copies queued frames into the ring while they fit; false when the
+ * client's counter was impossible (the connection is closed). */
+static bool ring_write(kd_conn *c)
+{
+    while (c->out_head) {
+        struct iovec v[SEND_IOV_MAX];
+        size_t cnt = out_iov(c->out_head, v), put;
+        kp_error e;
+        if (kp_ring_writev(&c->ring, v, cnt, &put, &e) != KP_OK) {
+            KD_DEBUG("conn %llu: %s", (unsigned long long)c->serial, e.message);
+            drop_unsent(c);
+            kd_conn_close(c, KD_DISC_PROTOCOL, NULL);
+            finish_close(c);
+            return false;
+        }
+        if (put == 0)
+            break;
+        out_advance(c, put);
+    }
+    return true;
+}
+
+/* Writes queued frames into the ring until it is full.  A sleeping loop
+ * left with frames to write asks the client to ring when it makes room, and
+ * looks once more. */
+static void ring_flush(kd_conn *c)
+{
+    uint64_t before = c->ring.head;
+    for (;;) {
+        if (!ring_write(c))
+            return; /* closed */
+        if (!c->out_head || kd_daemon_awake(c->d))
+            break;
+        kd_conn_ring_sleep(c, true); /* publishes "ring me when there is room" */
+        if (!kp_ring_writable(&c->ring))
+            break;
+    }
+    if (c->ring.head != before && kp_ring_peer_wants(&c->ring, KP_RING_WANT_DATA))
+        ring_doorbell(c);
+    check_output_limits(c);
+    /* Closing does not wait for the client to drain the ring: what fits of
+     * the goodbye is there. */
+    if (c->closing)
+        finish_close(c);
+}
+
+/* The ring.attach answer has left on the socket: frames take the ring now. */
+static void ring_start(kd_conn *c)
+{
+    c->ring_on = true;
+    kd_conn_ring_sleep(c, !kd_daemon_awake(c->d));
+    update_events(c);
+}
+
 /* Writes queued frames until the socket is full or the budget is spent. */
 static void flush(kd_conn *c)
 {
+    if (c->ring_on) {
+        ring_flush(c);
+        return;
+    }
     uint64_t budget = KD_WRITE_BUDGET_BYTES;
     while (c->out_head && budget > 0) {
-        kd_out *o = c->out_head;
-        size_t n;
-        const struct iovec *iov = kp_writer_iov(&o->w, &n);
         struct iovec v[SEND_IOV_MAX];
-        size_t cnt = 0;
-        for (size_t i = o->iov_index; i < n && cnt < SEND_IOV_MAX; i++, cnt++) {
-            v[cnt] = iov[i];
-            if (i == o->iov_index) {
-                v[cnt].iov_base = (uint8_t *)v[cnt].iov_base + o->iov_offset;
-                v[cnt].iov_len -= o->iov_offset;
-            }
-        }
-        struct msghdr m = {.msg_iov = v, .msg_iovlen = cnt};
+        struct msghdr m = {.msg_iov = v, .msg_iovlen = out_iov(c->out_head, v)};
         ssize_t sent = sendmsg(c->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (sent < 0) {
             if (errno == EAGAIN || errno == EINTR)
@@ -349,30 +452,14 @@ static void flush(kd_conn *c)
             finish_close(c);
             return;
         }
-        o->started = true;
-        c->out_bytes -= (uint64_t)sent;
         budget = (uint64_t)sent >= budget ? 0 : budget - (uint64_t)sent;
-        size_t left = (size_t)sent;
-        while (left > 0 && o->iov_index < n) {
-            size_t avail = iov[o->iov_index].iov_len - o->iov_offset;
-            size_t step = left < avail ? left : avail;
-            o->iov_offset += step;
-            left -= step;
-            if (o->iov_offset == iov[o->iov_index].iov_len) {
-                o->iov_index++;
-                o->iov_offset = 0;
-            }
-        }
-        if (o->iov_index == n) {
-            c->out_head = o->next;
-            if (!c->out_head)
-                c->out_tail = NULL;
-            kd_out_free(o);
-        }
+        out_advance(c, (size_t)sent);
     }
     check_output_limits(c);
     if (c->closing && !c->out_head)
         finish_close(c);
+    else if (c->ring_region && !c->out_head && !c->closing)
+        ring_start(c);
     else
         update_events(c);
 }
@@ -407,8 +494,14 @@ void kd_conn_send(kd_conn *c, kd_out *o)
 /* Input                                                                  */
 /* ---------------------------------------------------------------------- */
 
+static bool ring_drain_socket(kd_conn *c, bool may_close);
+
 int kd_conn_take_fd(kd_conn *c)
 {
+    /* Over a ring the descriptor rides on a doorbell sent before the frame
+     * (§Frame ring), which the loop may not have read yet. */
+    if (c->nfds == 0 && c->ring_on)
+        ring_drain_socket(c, false);
     if (c->nfds == 0)
         return -1;
     int fd = c->fds[0];
@@ -477,6 +570,48 @@ static ssize_t receive(kd_conn *c, void *buf, size_t len)
     return n;
 }
 
+/* Frame bytes from the ring, with receive()'s conventions (-1 and EAGAIN
+ * when it is empty, -2 after a protocol violation). */
+static ssize_t ring_receive(kd_conn *c, void *buf, size_t len)
+{
+    size_t got;
+    kp_error e;
+    if (kp_ring_read(&c->ring, buf, len, &got, &e) != KP_OK) {
+        protocol_close(c, &e);
+        return -2;
+    }
+    if (got == 0) {
+        errno = EAGAIN;
+        return -1;
+    }
+    return (ssize_t)got;
+}
+
+/*
+ * Reads a ring connection's socket: doorbells, to be discarded, and passed
+ * descriptors.  A bounded number of reads (a client ringing without pause
+ * cannot hold the loop).  At EOF or an error the connection closes when
+ * may_close (else the next poll finds it again); returns false then.
+ */
+static bool ring_drain_socket(kd_conn *c, bool may_close)
+{
+    uint8_t bells[256];
+    for (int i = 0; i < 16; i++) {
+        ssize_t n = receive(c, bells, sizeof(bells));
+        if (n == -2)
+            return false;
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return true;
+        if (n <= 0) {
+            if (may_close)
+                kd_conn_close(c, n == 0 || errno == ECONNRESET ? KD_DISC_PEER_CLOSED
+                                                               : KD_DISC_IO_ERROR, NULL);
+            return false;
+        }
+    }
+    return true;
+}
+
 static void deliver(kd_conn *c)
 {
     size_t len;
@@ -505,6 +640,7 @@ static void process_buffered(kd_conn *c)
 static void read_some(kd_conn *c)
 {
     uint64_t budget = KD_READ_BUDGET_BYTES;
+    uint64_t ring_tail = c->ring.tail;
     kd_conn_ref(c);
     while (budget > 0 && can_read(c)) {
         if (c->rpos < c->rlen) {
@@ -526,7 +662,9 @@ static void read_some(kd_conn *c)
          * the buffer, which also picks up the frames that follow. */
         bool direct = c->reader.header_have == KP_FRAME_HEADER_BYTES &&
                       space >= KD_READ_BUFFER_BYTES;
-        ssize_t n = direct ? receive(c, dst, space) : receive(c, c->rbuf, KD_READ_BUFFER_BYTES);
+        ssize_t n = c->ring_on ? ring_receive(c, direct ? dst : c->rbuf,
+                                              direct ? space : KD_READ_BUFFER_BYTES)
+                    : direct ? receive(c, dst, space) : receive(c, c->rbuf, KD_READ_BUFFER_BYTES);
         if (n == -2)
             break;
         if (n < 0) {
@@ -553,6 +691,9 @@ static void read_some(kd_conn *c)
         else if (rc < 0)
             protocol_close(c, &e);
     }
+    if (c->ring_on && !c->closing && c->ring.tail != ring_tail &&
+        kp_ring_peer_wants(&c->ring, KP_RING_WANT_SPACE))
+        ring_doorbell(c);
     kd_conn_update(c);
     kd_conn_unref(c);
 }
@@ -562,7 +703,7 @@ void kd_conn_update(kd_conn *c)
     if (c->closing)
         return;
     update_events(c);
-    if (c->rpos < c->rlen && can_read(c))
+    if ((c->rpos < c->rlen || (c->ring_on && kp_ring_readable(&c->ring))) && can_read(c))
         kd_daemon_queue_input(c->d, c);
 }
 
@@ -570,6 +711,10 @@ void kd_conn_process_input(kd_conn *c)
 {
     if (c->closing)
         return;
+    if (c->ring_on) { /* reads the ring too, then updates */
+        read_some(c);
+        return;
+    }
     kd_conn_ref(c);
     process_buffered(c);
     kd_conn_update(c);
@@ -585,11 +730,63 @@ static void on_poll(uv_poll_t *h, int status, int events)
         return;
     }
     kd_conn_ref(c);
-    if (events & UV_WRITABLE)
-        flush(c);
-    if ((events & UV_READABLE) && !c->closing)
+    if (c->ring_on) {
+        /* A doorbell: the client wrote or read while this loop slept. */
+        if (ring_drain_socket(c, true)) {
+            kd_daemon_stay_awake(c->d);
+            kd_conn_ring_poll(c);
+        }
+    } else {
+        if (events & UV_WRITABLE)
+            flush(c);
+        if ((events & UV_READABLE) && !c->closing)
+            read_some(c);
+    }
+    kd_conn_unref(c);
+}
+
+/* ---------------------------------------------------------------------- */
+/* The frame ring                                                         */
+/* ---------------------------------------------------------------------- */
+
+int kd_conn_attach_ring(kd_conn *c, kd_region *reg, uint64_t size, kp_error *err)
+{
+    if (c->ring_region)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "this connection has a frame ring already");
+    if (c->inflight != 1 || c->rpos != c->rlen || c->reader.header_have != 0 || c->out_head)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "ring.attach must be the only request in "
+                       "flight, with nothing sent after it until its answer");
+    kd_region_ref(reg);
+    c->ring_region = reg;
+    kp_ring_init(&c->ring, reg->host, size, true, KP_RING_WANT_DATA);
+    return KP_OK;
+}
+
+void kd_conn_ring_poll(kd_conn *c)
+{
+    if (!c->ring_on || c->closing)
+        return;
+    kd_conn_ref(c);
+    if (c->out_head && kp_ring_writable(&c->ring))
+        ring_flush(c);
+    if (!c->closing && can_read(c) && (c->rpos < c->rlen || kp_ring_readable(&c->ring)))
         read_some(c);
     kd_conn_unref(c);
+}
+
+bool kd_conn_ring_sleep(kd_conn *c, bool asleep)
+{
+    if (!c->ring_on || c->closing)
+        return true;
+    if (!asleep) {
+        kp_ring_set_wants(&c->ring, 0);
+        return true;
+    }
+    bool reading = can_read(c);
+    kp_ring_set_wants(&c->ring, (reading ? KP_RING_WANT_DATA : 0) |
+                                (c->out_head ? KP_RING_WANT_SPACE : 0));
+    return !(reading && kp_ring_readable(&c->ring)) &&
+           !(c->out_head && kp_ring_writable(&c->ring));
 }
 
 void kd_conn_housekeeping(kd_conn *c, uint64_t now)

@@ -17,6 +17,14 @@
  * Unread output above clients.output_hard_limit closes the connection at
  * once; above the soft limit for output_soft_seconds, too.
  *
+ * The frame ring (PROTOCOL.md §Frame ring): after ring.attach the frames of
+ * both directions travel through a shared memory region instead of the
+ * socket, which then carries only doorbell bytes (and passed descriptors).
+ * The daemon's awake loop polls every ring (kd_conn_ring_poll) and publishes
+ * what it waits for before it sleeps (kd_conn_ring_sleep), so that a client
+ * rings only a sleeping daemon; kdad rings a client only when the client says
+ * it sleeps.
+ *
  * Closing: kd_conn_close stops reading, drops the connection's queued
  * requests, releases its regions and (unless slots persist) its slots,
  * queues a goodbye when there is a reason to give, and closes the socket
@@ -82,6 +90,9 @@ typedef struct kd_conn {
     uint64_t last_prefill_ns;  /* uv_hrtime() of its last prefill answer (hold.h, gathering) */
 
     kd_regions regions;
+    kp_ring ring;              /* the frame ring's state, once ring_region is set */
+    kd_region *ring_region;    /* the region holding it (one reference, dropped at close) */
+    bool ring_on;              /* frames travel through the ring (the attach answer has left) */
     kd_sched_group group;      /* fairness in batch formation */
 
     bool closing;              /* no more reading; responses are discarded */
@@ -130,6 +141,20 @@ void kd_conn_send(kd_conn *c, kd_out *o);
 void kd_conn_update(kd_conn *c);
 /* Processes buffered input (called from the daemon's idle handler). */
 void kd_conn_process_input(kd_conn *c);
+
+/*
+ * ring.attach: frames move to the ring in `reg` (size bytes per direction,
+ * already checked) once the answer to this, the only request in flight, has
+ * left on the socket.  INVALID_PARAMS when the connection has a ring already
+ * or anything else in flight or buffered.
+ */
+int kd_conn_attach_ring(kd_conn *c, kd_region *reg, uint64_t size, kp_error *err);
+/* The awake loop: reads what the ring holds and writes what fits. */
+void kd_conn_ring_poll(kd_conn *c);
+/* Before the loop sleeps (awake false) or when it wakes: publishes what this
+ * connection's ring waits for.  Going to sleep returns false when the ring
+ * has work already (the loop stays awake). */
+bool kd_conn_ring_sleep(kd_conn *c, bool asleep);
 
 /* Periodic checks: the soft output limit and the close deadline. */
 void kd_conn_housekeeping(kd_conn *c, uint64_t now);

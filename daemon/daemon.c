@@ -265,20 +265,55 @@ static void on_device_idle(void *ctx)
  * sleeping in epoll: a client that sends its next request as soon as it has
  * the answer (a serving stack's next layer, a closed-loop benchmark) is read
  * at once instead of after a wake-up, which costs tens of microseconds on a
- * virtual machine.
+ * virtual machine.  Frame rings (conn.h) are read by this polling alone while
+ * it lasts; before the loop sleeps, each ring learns what its connection
+ * waits for, so that its client rings the doorbell.
  */
+static void poll_rings(kd_daemon *d)
+{
+    for (kd_conn *c = d->conns, *next; c; c = next) {
+        kd_conn_ref(c);
+        kd_conn_ring_poll(c);
+        next = c->next;
+        kd_conn_unref(c);
+    }
+}
+
+/* Publishes every ring's wants; false (and awake again) if one has work. */
+static bool rings_sleep(kd_daemon *d)
+{
+    bool quiet = true;
+    for (kd_conn *c = d->conns; c; c = c->next)
+        quiet = kd_conn_ring_sleep(c, true) && quiet;
+    if (!quiet) {
+        for (kd_conn *c = d->conns; c; c = c->next)
+            kd_conn_ring_sleep(c, false);
+    }
+    return quiet;
+}
+
 static void on_spin(uv_idle_t *h)
 {
     kd_daemon *d = h->data;
-    if (uv_hrtime() >= d->spin_until_ns)
+    poll_rings(d);
+    if (uv_hrtime() >= d->spin_until_ns && rings_sleep(d))
         uv_idle_stop(h);
 }
 
-static void spin_after_answer(kd_daemon *d)
+bool kd_daemon_awake(const kd_daemon *d)
+{
+    return uv_is_active((const uv_handle_t *)&d->spin);
+}
+
+void kd_daemon_stay_awake(kd_daemon *d)
 {
     if (d->cfg.spin_us == 0 || d->stopping)
         return;
     d->spin_until_ns = uv_hrtime() + (uint64_t)d->cfg.spin_us * 1000u;
+    if (kd_daemon_awake(d))
+        return;
+    for (kd_conn *c = d->conns; c; c = c->next)
+        kd_conn_ring_sleep(c, false);
     uv_idle_start(&d->spin, on_spin);
 }
 
@@ -308,7 +343,7 @@ static void on_batch_done(void *ctx, kd_batch *batch)
         batch->t.replied_ns = uv_hrtime();
         kd_stats_batch(&d->stats, &batch->t);
     }
-    spin_after_answer(d);
+    kd_daemon_stay_awake(d);
     bool fatal = batch->status == KD_BATCH_FATAL;
     char why[sizeof(batch->message)];
     snprintf(why, sizeof(why), "%s", batch->message);

@@ -123,6 +123,11 @@ void kd_daemon_fatal(kd_daemon *d, const char *why);
 void kd_daemon_pump(kd_daemon *d);
 /* A job left the scheduler: releases retiring slots it named that are now idle. */
 void kd_daemon_job_left(kd_daemon *d, const kd_job *job);
+/* Keeps the loop polling, and the frame rings polled, for batching.spin_us
+ * (after an answer, or a ring's doorbell). */
+void kd_daemon_stay_awake(kd_daemon *d);
+/* Whether the loop polls instead of sleeping now. */
+bool kd_daemon_awake(const kd_daemon *d);
 /* Queues a connection for input processing on the next loop turn. */
 void kd_daemon_queue_input(kd_daemon *d, kd_conn *c);
 /* A connection's memory was freed (the last one ends a drain). */

@@ -1,7 +1,7 @@
 /*
  * dispatch.c - see dispatch.h.  The handlers here are the methods answered
  * at once: hello, health, stats, layer.register / list / drop, slot.alloc,
- * slot.info, region.register_shm / register_cuda / release.
+ * slot.info, region.register_shm / register_cuda / release, ring.attach.
  */
 #include "dispatch.h"
 
@@ -474,8 +474,41 @@ static void do_region_release(kd_req *r)
         kd_req_fail(r, &e);
         return;
     }
+    if (reg == c->ring_region) {
+        kp_fail(&e, KP_E_REGION_INVALID, "region: %u holds this connection's frame ring, which "
+                "lasts as long as the connection", p.region);
+        kd_req_fail(r, &e);
+        return;
+    }
     r->releasing = reg;
     kd_region_release(&c->regions, reg, region_gone, r);
+}
+
+static void do_ring_attach(kd_req *r)
+{
+    kd_conn *c = r->conn;
+    kp_ring_attach_params p;
+    kp_error e;
+    if (kp_ring_attach_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    kd_region *reg = kd_region_find(&c->regions, p.region);
+    if (!reg || reg->kind != KD_REGION_SHM) {
+        fail_with(r, KP_E_REGION_INVALID, "region: %u is not a shared-memory region of this "
+                  "connection", p.region);
+        return;
+    }
+    if (kp_ring_check_size(p.size, reg->size, &e) != KP_OK ||
+        kd_conn_attach_ring(c, reg, p.size, &e) != KP_OK) {
+        kd_req_fail(r, &e);
+        return;
+    }
+    KD_DEBUG("conn %llu: frames move to a ring of 2 x %llu bytes in region %u",
+             (unsigned long long)c->serial, (unsigned long long)p.size, reg->id);
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -522,6 +555,7 @@ static void route(kd_req *r)
     case KP_METHOD_REGION_REGISTER_SHM: do_region_register_shm(r); break;
     case KP_METHOD_REGION_REGISTER_CUDA: do_region_register_cuda(r); break;
     case KP_METHOD_REGION_RELEASE: do_region_release(r); break;
+    case KP_METHOD_RING_ATTACH: do_ring_attach(r); break;
     case KP_METHOD_PREFILL:
     case KP_METHOD_SLOT_FREE:
     case KP_METHOD_SLOT_RESET:

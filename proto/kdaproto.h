@@ -170,6 +170,7 @@ int kp_fail(kp_error *err, int code, const char *fmt, ...) __attribute__((format
     X(REGION_REGISTER_SHM, "region.register_shm")       \
     X(REGION_REGISTER_CUDA, "region.register_cuda")     \
     X(REGION_RELEASE, "region.release")                 \
+    X(RING_ATTACH, "ring.attach")                       \
     X(PREFILL, "prefill")
 
 typedef enum kp_method {
@@ -821,6 +822,84 @@ int kp_region_release_params_encode(kp_writer *w, uint32_t id, const kp_region_r
 int kp_region_release_params_decode(kp_msg *msg, const kp_session *s,
                                     kp_region_release_params *p, kp_error *err);
 /* result: kp_empty_result_* */
+
+typedef struct kp_ring_attach_params {
+    uint32_t region; /* a host shared memory region holding the ring from offset 0 */
+    uint64_t size;   /* bytes of each direction's data area: a power of two */
+} kp_ring_attach_params;
+
+int kp_ring_attach_params_encode(kp_writer *w, uint32_t id, const kp_ring_attach_params *p,
+                                 kp_error *err);
+int kp_ring_attach_params_decode(kp_msg *msg, const kp_session *s, kp_ring_attach_params *p,
+                                 kp_error *err);
+/* result: kp_empty_result_* */
+
+/* ------------------------------------------------------------------------ */
+/* The frame ring (§Frame ring): frames through shared memory                */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A ring region holds, from offset 0: the header (KP_RING_HEADER_BYTES), the
+ * client -> daemon data area (size bytes), the daemon -> client data area
+ * (size bytes).  Each direction is a byte stream carrying the same frames as
+ * the socket.  Counters count bytes since the ring was attached (they start
+ * at 0 and never wrap in practice); byte n of a stream lives at n % size.
+ * Each side writes only its own cache line of the header and trusts only its
+ * own counters: the peer's are checked on every read (kp_ring_* return
+ * KP_E_PROTOCOL for a counter that no honest peer could have written).
+ */
+#define KP_RING_HEADER_BYTES 4096u
+#define KP_RING_MIN_SIZE 4096u          /* per direction */
+#define KP_RING_MAX_SIZE (1ull << 30)
+#define KP_RING_DEFAULT_SIZE (1u << 20) /* libkdaclient's choice */
+
+/* wants: why a side sleeps; the peer sends one doorbell byte on the socket
+ * after making that kind of progress (§Frame ring, Doorbells). */
+#define KP_RING_WANT_DATA 1u  /* waiting for bytes to read */
+#define KP_RING_WANT_SPACE 2u /* waiting for room to write */
+
+typedef struct kp_ring_side {
+    uint64_t head;  /* bytes written into the stream this side produces */
+    uint64_t tail;  /* bytes read from the stream this side consumes */
+    uint32_t wants; /* KP_RING_WANT_* while this side sleeps, else 0 */
+    uint8_t pad[64 - 20];
+} kp_ring_side;
+
+typedef struct kp_ring_header {
+    kp_ring_side client; /* written by the client only */
+    kp_ring_side daemon; /* written by the daemon only */
+} kp_ring_header;
+
+/* One side's view of an attached ring. */
+typedef struct kp_ring {
+    kp_ring_side *mine;
+    const kp_ring_side *peer;
+    uint8_t *in, *out; /* the data areas this side reads / writes */
+    uint64_t size;
+    uint64_t head, tail; /* this side's counters (the truth; `mine` holds copies) */
+} kp_ring;
+
+/* Whether a ring of `size` bytes per direction is valid, and fits in `region_bytes`. */
+int kp_ring_check_size(uint64_t size, uint64_t region_bytes, kp_error *err);
+/* Sets r up over the region at base (already checked with kp_ring_check_size)
+ * for the daemon's side or the client's; publishes zero counters and wants. */
+void kp_ring_init(kp_ring *r, void *base, uint64_t size, bool daemon_side, uint32_t wants);
+/* Copies up to len readable bytes to dst; *got = 0 when none are there. */
+int kp_ring_read(kp_ring *r, void *dst, size_t len, size_t *got, kp_error *err);
+/* Copies as much of the iovec list as fits; *put = 0 when the ring is full. */
+int kp_ring_writev(kp_ring *r, const struct iovec *iov, size_t n, size_t *put, kp_error *err);
+/* Whether the peer has written bytes this side has not read (or a bad counter,
+ * which the next kp_ring_read reports). */
+bool kp_ring_readable(const kp_ring *r);
+/* Whether the peer has read bytes since this side last found the ring full. */
+bool kp_ring_writable(const kp_ring *r);
+/* Publishes why this side is about to sleep (0: awake), then a full fence,
+ * so that a peer making progress afterwards sees it, and this side's
+ * re-check sees the peer's progress made before. */
+void kp_ring_set_wants(kp_ring *r, uint32_t wants);
+/* After progress of kind `what` (KP_RING_WANT_DATA: wrote bytes; _SPACE: read
+ * bytes): a full fence, then whether the peer sleeps waiting for it. */
+bool kp_ring_peer_wants(const kp_ring *r, uint32_t what);
 
 /* ------------------------------------------------------------------------ */
 /* prefill                                                                   */

@@ -1,7 +1,8 @@
 /*
  * messages.c - encoders and decoders of the session and registry methods:
  * hello, health, stats, layer.register / list / drop, region.register_shm /
- * register_cuda / release.  (slot.* live in slots.c, prefill in prefill.c.)
+ * register_cuda / release, ring.attach.  (slot.* live in slots.c, prefill in
+ * prefill.c, the ring's shared memory layout in ring.c.)
  *
  * Each method has four functions: params encode (client), params decode
  * (daemon, strict, checked against the session), result encode (daemon),
@@ -948,4 +949,31 @@ int kp_region_release_params_decode(kp_msg *msg, const kp_session *s,
     if (rc)
         return rc;
     return dec_u32(&f, "region", 1, UINT32_MAX, &p->region, NULL, err);
+}
+
+/* ---------------------------------------------------------------------- */
+/* ring.attach                                                            */
+/* ---------------------------------------------------------------------- */
+
+static const char *const ring_fields[] = {"region", "size", NULL};
+
+int kp_ring_attach_params_encode(kp_writer *w, uint32_t id, const kp_ring_attach_params *p,
+                                 kp_error *err)
+{
+    enc_request(w, id, KP_METHOD_RING_ATTACH, 2);
+    enc_kv_u64(w, "region", p->region);
+    enc_kv_u64(w, "size", p->size);
+    return enc_finish(w, err);
+}
+
+int kp_ring_attach_params_decode(kp_msg *msg, const kp_session *s, kp_ring_attach_params *p,
+                                 kp_error *err)
+{
+    dec_fields f;
+    memset(p, 0, sizeof(*p));
+    int rc = dec_params(&f, msg, ring_fields, err);
+    if (rc || (rc = dec_u32(&f, "region", 1, UINT32_MAX, &p->region, NULL, err)) ||
+        (rc = dec_u64(&f, "size", KP_RING_MIN_SIZE, KP_RING_MAX_SIZE, &p->size, NULL, err)))
+        return rc;
+    return kp_ring_check_size(p->size, UINT64_MAX, err);
 }

@@ -366,6 +366,17 @@ KDAC_EXPORT int kdac_client_progress(kdac_client *c);
  */
 KDAC_EXPORT int kdac_client_set_spin(kdac_client *c, int spin_us, kdac_error *err);
 
+/*
+ * For callers that drive kdac_client_progress themselves over a frame ring
+ * (kdac_ring_attach): `polling` true promises progress calls without
+ * sleeping, so the daemon writes answers into the ring without ringing the
+ * socket's doorbell (and progress skips reading the socket).  To sleep again,
+ * set it false and call kdac_client_progress once more before waiting on
+ * kdac_client_fd: that call tells the daemon to ring, then takes what came
+ * meanwhile.  No effect without a ring.
+ */
+KDAC_EXPORT void kdac_client_set_polling(kdac_client *c, bool polling);
+
 /* Transfer state, for progress bars and flow control. */
 typedef struct kdac_io_status {
     uint32_t inflight;       /* requests sent or queued, not yet completed */
@@ -719,6 +730,24 @@ KDAC_EXPORT int kdac_region_register_cuda_fd(kdac_client *c, int fd, uint64_t si
 
 /* Releases a region once no request uses it.  Errors: REGION_INVALID. */
 KDAC_EXPORT int kdac_region_release(kdac_client *c, uint32_t region, kdac_error *err);
+
+/*
+ * The frame ring (PROTOCOL.md §Frame ring): moves this connection's frames,
+ * both ways, from the socket into a shared memory ring of bytes_per_direction
+ * bytes each way (0: 1 MiB; else a power of two in [4 KiB, 1 GiB]).  The
+ * socket then carries one-byte doorbells only, and only to a side that said
+ * it sleeps: a client that spins (kdac_client_set_spin) while kdad's loop is
+ * awake exchanges requests and answers without a system call.  Everything
+ * else stays the same: the calls, event-loop integration through
+ * kdac_client_fd / kdac_client_events / kdac_client_progress, regions and
+ * their descriptors.  Frames larger than the ring stream through it.  The
+ * ring takes one region of the connection's quota and lasts as long as the
+ * connection.  Call it with no request in flight.
+ * Errors: INVALID_ARGUMENT (requests in flight, a ring already), NOT_SUPPORTED
+ * (daemon without shm regions, or older than the ring: UNKNOWN_METHOD),
+ * QUOTA_EXCEEDED, SYSTEM.
+ */
+KDAC_EXPORT int kdac_ring_attach(kdac_client *c, uint64_t bytes_per_direction, kdac_error *err);
 
 #ifdef __cplusplus
 }

@@ -27,7 +27,7 @@ static const char bench_help[] =
     "Usage: kdactl bench [--clients C] [--depth D] [--requests N | --duration SEC]\n"
     "                    [--tokens T] [--dist fixed|mixed|uniform] [--seqs S]\n"
     "                    [--lengths L1,L2,...] [--transport inline|shm|cuda-ipc|cuda-vmm]\n"
-    "                    [--warmup W] [--seed X]\n"
+    "                    [--warmup W] [--seed X] [--spin US] [--ring]\n"
     "\n"
     "Load generator: C connections each keep D prefill requests of S sequences in\n"
     "flight (every sequence on its own slot), until N requests completed (default 100)\n"
@@ -52,7 +52,10 @@ static const char bench_help[] =
     "  -s, --seed X           seed of inputs and lengths (default 1)\n"
     "  -P, --spin US          after each answer, poll the sockets without sleeping for up to\n"
     "                         US microseconds (default 0): no thread wake-up in the latency,\n"
-    "                         for a core's time (libkdaclient: kdac_client_set_spin)\n";
+    "                         for a core's time (libkdaclient: kdac_client_set_spin)\n"
+    "  -r, --ring             frames through a shared memory ring instead of the socket\n"
+    "                         (kdac_ring_attach); with --spin the answers come without a\n"
+    "                         system call on either side\n";
 
 typedef enum dist { DIST_FIXED, DIST_UNIFORM, DIST_MIXED, DIST_LIST } dist;
 static const char *const dist_names[] = {"fixed", "uniform", "mixed", "list"};
@@ -65,6 +68,7 @@ static const uint32_t mixed_lengths[] = {1300, 547, 2048, 963, 271, 3063}; /* me
 typedef struct bench_opts {
     uint64_t clients, depth, requests, tokens, seqs, warmup, seed;
     uint64_t spin_us; /* poll the sockets without sleeping this long after each answer */
+    bool ring;        /* frames through a ring (kdac_ring_attach) */
     double duration; /* 0: count mode */
     dist dist;
     bench_transport transport;
@@ -102,6 +106,7 @@ typedef struct bench {
     uint32_t mixed_next;
     /* progress of the run */
     double start, stop_at;
+    bool polling; /* --ring within --spin: every client is polled, none rung */
     uint64_t sent, done, errors, tokens;
     double *lat_us;
     uint64_t nlat, cap_lat;
@@ -289,19 +294,35 @@ static int run_loop(bench *b)
         submit(b, &b->reqs[i]);
     double last_answer = now_s();
     while (b->done < b->sent) {
-        rearm(b, ep);
-        struct epoll_event evs[64];
+        uint64_t done = b->done;
         /* --spin: within spin_us of the last event, look without sleeping */
         const bool spin = (now_s() - last_answer) * 1e6 < (double)b->o.spin_us;
+        if (b->o.ring && spin != b->polling) {
+            /* Rings announce nothing while polled; leaving the poll, the
+             * last progress call asks for doorbells again. */
+            b->polling = spin;
+            for (uint64_t i = 0; i < b->o.clients; i++) {
+                kdac_client_set_polling(b->clients[i].c, spin);
+                kdac_client_progress(b->clients[i].c);
+            }
+        }
+        rearm(b, ep);
+        struct epoll_event evs[64];
         int n = epoll_wait(ep, evs, 64, spin ? 0 : 100);
         for (int i = 0; i < n; i++)
             kdac_client_progress(((bench_client *)evs[i].data.ptr)->c);
-        if (n > 0)
+        if (b->polling) {
+            for (uint64_t i = 0; i < b->o.clients; i++)
+                kdac_client_progress(b->clients[i].c);
+        }
+        if (n > 0 || b->done != done)
             last_answer = now_s();
         if (b->o.duration > 0)
             progress_update(&b->bar, (uint64_t)((now_s() - b->start) * 1000));
     }
     progress_end(&b->bar);
+    for (uint64_t i = 0; i < b->o.clients && b->polling; i++)
+        kdac_client_set_polling(b->clients[i].c, false);
     close(ep);
     return EXIT_OK;
 }
@@ -320,6 +341,8 @@ static int setup(bench *b)
         bc->b = b;
         if ((rc = ctl_connect(b->g, &bc->c)))
             return rc;
+        if (b->o.ring && kdac_ring_attach(bc->c, 0, &err))
+            return ctl_fail(b->g, "bench: attach a frame ring", &err);
         const kdac_server_info *info = kdac_client_info(bc->c);
         if (i == 0) {
             static const uint32_t need[] = {KDAC_TRANSPORT_INLINE, KDAC_TRANSPORT_SHM,
@@ -437,6 +460,7 @@ static void report(bench *b, double seconds)
         json_object_object_add(o, "clients", json_u64(b->o.clients));
         json_object_object_add(o, "depth", json_u64(b->o.depth));
         json_object_object_add(o, "spin_us", json_u64(b->o.spin_us));
+        json_object_object_add(o, "ring", json_object_new_boolean(b->o.ring));
         json_object_object_add(o, "seqs_per_request", json_u64(b->o.seqs));
         json_object_object_add(o, "dist", json_object_new_string(dist_names[b->o.dist]));
         if (b->o.dist == DIST_LIST) {
@@ -476,9 +500,10 @@ static void report(bench *b, double seconds)
         ctl_print_json(o);
         return;
     }
-    printf("bench: %s (backend %s, %u heads), transport %s, %llu clients x %llu in flight, "
+    printf("bench: %s (backend %s, %u heads), transport %s%s, %llu clients x %llu in flight, "
            "%llu seq%s/request, %s lengths, mean %llu tokens\n", info->server, info->backend,
-           info->heads, transport_names[b->o.transport], (unsigned long long)b->o.clients,
+           info->heads, transport_names[b->o.transport], b->o.ring ? " over a frame ring" : "",
+           (unsigned long long)b->o.clients,
            (unsigned long long)b->o.depth, (unsigned long long)b->o.seqs,
            b->o.seqs == 1 ? "" : "s", dist_names[b->o.dist], (unsigned long long)b->o.tokens);
     printf("  requests   %llu ok, %llu failed in %.2f s\n", (unsigned long long)ok,
@@ -503,11 +528,12 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         {"dist", required_argument, NULL, 'l'},     {"seqs", required_argument, NULL, 'S'},
         {"transport", required_argument, NULL, 'x'}, {"warmup", required_argument, NULL, 'w'},
         {"seed", required_argument, NULL, 's'},     {"lengths", required_argument, NULL, 'L'},
-        {"spin", required_argument, NULL, 'P'},     {NULL, 0, NULL, 0}};
-    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, 0, DIST_FIXED, BENCH_INLINE, {0}};
+        {"spin", required_argument, NULL, 'P'},     {"ring", no_argument, NULL, 'r'},
+        {NULL, 0, NULL, 0}};
+    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, false, 0, DIST_FIXED, BENCH_INLINE, {0}};
     bool has_requests = false, has_shape = false;
     int opt;
-    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:P:", opts, NULL)) != -1) {
+    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:P:r", opts, NULL)) != -1) {
         uint64_t *target = NULL, max = 0, min = 1;
         switch (opt) {
         case 'h':
@@ -537,6 +563,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
             break;
         }
         case 'w': target = &o->warmup; max = 1000; min = 0; break;
+        case 'r': o->ring = true; break;
         case 'P': target = &o->spin_us; max = 1000000; min = 0; break;
         case 's': target = &o->seed; max = UINT64_MAX / 16; min = 0; break;
         case 'D':

@@ -197,6 +197,7 @@ int kdac_client_open(kdac_client **out, const kdac_options *opts, kdac_error *er
     if (!c)
         return kdac_fail(err, KDAC_E_NO_MEMORY, "cannot allocate a client");
     c->fd = -1;
+    c->ring_shm.fd = -1;
     c->timeout_ms = opts->timeout_ms;
     kp_reader_init(&c->rd, KP_HELLO_MAX_FRAME_BYTES);
     int rc;
@@ -240,6 +241,7 @@ int kdac_client_close(kdac_client *c)
     client_complete_all(c, &e);
     if (c->fd >= 0)
         close(c->fd);
+    kdac_shm_close(&c->ring_shm);
     kp_reader_close(&c->rd);
     free(c->stage);
     free(c->scratch);

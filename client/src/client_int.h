@@ -7,6 +7,7 @@
  *   io.c       the send queue, the frame reader, dispatch, progress, waiting
  *   calls.c    one encoder + result decoder per method, blocking wrappers
  *   shm.c      memfd regions
+ *   ring.c     kdac_ring_attach (the frame ring's set-up; io.c moves the bytes)
  */
 #ifndef KDAC_CLIENT_INT_H
 #define KDAC_CLIENT_INT_H
@@ -41,6 +42,7 @@ struct pending {
     bool writer_open;
     bool sent;              /* every byte of the frame is in the socket */
     int fd;                 /* descriptor to pass with the frame's first byte, or -1 */
+    bool fd_sent;           /* ring: it went ahead on a doorbell (PROTOCOL.md §Frame ring) */
     size_t iov_index;       /* send progress: current iovec ... */
     size_t iov_off;         /* ... and bytes of it already written */
     uint64_t unsent;        /* frame bytes not yet written */
@@ -94,6 +96,15 @@ struct kdac_client {
     kdac_error failure;       /* why */
     int cb_depth;             /* > 0 while a callback runs */
 
+    /* The frame ring (kdac_ring_attach): frames travel through ring_shm, the
+     * socket carries doorbells.  While ring_polling (a blocking call's spin,
+     * kdac_client_set_polling) the daemon is told not to ring; otherwise
+     * every progress call ends by telling it what this client waits for. */
+    kdac_shm ring_shm;
+    kp_ring ring;
+    bool ring_on;
+    bool ring_polling;
+
     void *scratch;            /* arrays of the last blocking call's result */
     size_t scratch_cap;
 };
@@ -120,6 +131,9 @@ void client_fail(kdac_client *c, int code, const char *fmt, ...) __attribute__((
 void client_complete_all(kdac_client *c, const kdac_error *e);
 /* Refuses calls on a failed connection or from inside a callback. */
 int client_check_usable(kdac_client *c, bool blocking, kdac_error *err);
+
+/* The ring.attach answer arrived: frames take the ring from here on. */
+void client_ring_start(kdac_client *c);
 
 /* A blocking call: a *_send with sync_cb, then sync_wait. */
 typedef struct sync_call {

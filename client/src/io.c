@@ -203,51 +203,119 @@ static void sendq_advance(kdac_client *c, size_t n)
 }
 
 /*
- * Writes as much of the queue as the socket takes.  Frames are coalesced
- * into one sendmsg, except that a frame passing a descriptor starts its own
- * call (PROTOCOL.md §File descriptors: the descriptor rides on the call whose
- * data begins with the frame's first byte, and that call carries no earlier
- * frame).  Returns 0 (done or would block) or an errno.
+ * The queue's next bytes as iovecs, from the head frame on.  A later frame
+ * passing a descriptor is left for a call of its own (PROTOCOL.md §File
+ * descriptors: the descriptor rides on the call whose data begins with the
+ * frame's first byte, and that call carries no earlier frame).  *fd: the
+ * head's descriptor when this is its frame's first byte, else -1.
  */
-static int flush(kdac_client *c)
+static int send_iov(kdac_client *c, struct iovec *iov, int *fd)
 {
+    int niov = 0;
+    pending *head = c->send_head;
+    *fd = (head->fd >= 0 && head->iov_index == 0 && head->iov_off == 0) ? head->fd : -1;
+    for (pending *p = head; p && niov < CLIENT_SEND_IOVS; p = p->send_next) {
+        if (p != head && p->fd >= 0)
+            break;
+        size_t cnt;
+        const struct iovec *v = kp_writer_iov(&p->w, &cnt);
+        size_t i = p == head ? head->iov_index : 0;
+        size_t off = p == head ? head->iov_off : 0;
+        for (; i < cnt && niov < CLIENT_SEND_IOVS; i++, off = 0) {
+            iov[niov].iov_base = (char *)v[i].iov_base + off;
+            iov[niov].iov_len = v[i].iov_len - off;
+            niov++;
+        }
+    }
+    return niov;
+}
+
+/* sendmsg with a descriptor (fd >= 0) riding on it; bytes sent or -1. */
+static ssize_t send_with_fd(kdac_client *c, struct iovec *iov, int niov, int fd)
+{
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } ctl;
+    struct msghdr mh;
+    memset(&mh, 0, sizeof(mh));
+    mh.msg_iov = iov;
+    mh.msg_iovlen = (size_t)niov;
+    if (fd >= 0) {
+        memset(&ctl, 0, sizeof(ctl));
+        mh.msg_control = ctl.buf;
+        mh.msg_controllen = sizeof(ctl.buf);
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    }
+    return sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* One byte on the socket wakes a daemon that sleeps (§Frame ring).  A full
+ * socket means a wake-up is pending already. */
+static void ring_doorbell(kdac_client *c)
+{
+    static const uint8_t bell = 0;
+    (void)send(c->fd, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+/* Copies as much of the queue into the ring as fits; 0 or an errno. */
+static int ring_write(kdac_client *c)
+{
+    uint64_t before = c->ring.head;
     while (c->send_head && !c->failed) {
         struct iovec iov[CLIENT_SEND_IOVS];
-        int niov = 0;
-        pending *head = c->send_head;
-        int fd = (head->fd >= 0 && head->iov_index == 0 && head->iov_off == 0) ? head->fd : -1;
-        for (pending *p = head; p && niov < CLIENT_SEND_IOVS; p = p->send_next) {
-            if (p != head && p->fd >= 0)
-                break;
-            size_t cnt;
-            const struct iovec *v = kp_writer_iov(&p->w, &cnt);
-            size_t i = p == head ? head->iov_index : 0;
-            size_t off = p == head ? head->iov_off : 0;
-            for (; i < cnt && niov < CLIENT_SEND_IOVS; i++, off = 0) {
-                iov[niov].iov_base = (char *)v[i].iov_base + off;
-                iov[niov].iov_len = v[i].iov_len - off;
-                niov++;
-            }
+        int fd;
+        int niov = send_iov(c, iov, &fd);
+        if (fd >= 0 && !c->send_head->fd_sent) {
+            /* The descriptor goes ahead of its frame, on a doorbell. */
+            struct iovec bell = {(void *)"", 1};
+            if (send_with_fd(c, &bell, 1, fd) < 0)
+                return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : errno;
+            c->send_head->fd_sent = true;
         }
-        union {
-            char buf[CMSG_SPACE(sizeof(int))];
-            struct cmsghdr align;
-        } ctl;
-        struct msghdr mh;
-        memset(&mh, 0, sizeof(mh));
-        mh.msg_iov = iov;
-        mh.msg_iovlen = (size_t)niov;
-        if (fd >= 0) {
-            memset(&ctl, 0, sizeof(ctl));
-            mh.msg_control = ctl.buf;
-            mh.msg_controllen = sizeof(ctl.buf);
-            struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-            cm->cmsg_level = SOL_SOCKET;
-            cm->cmsg_type = SCM_RIGHTS;
-            cm->cmsg_len = CMSG_LEN(sizeof(int));
-            memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-        }
-        ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        size_t put;
+        kp_error e;
+        if (kp_ring_writev(&c->ring, iov, (size_t)niov, &put, &e) != KP_OK)
+            return EPROTO;
+        if (put == 0)
+            break;
+        sendq_advance(c, put);
+    }
+    if (c->ring.head != before && kp_ring_peer_wants(&c->ring, KP_RING_WANT_DATA))
+        ring_doorbell(c);
+    return 0;
+}
+
+/* Writes as much of the queue as the ring takes; 0 or an errno.  Left with
+ * bytes to send, it asks the daemon to ring when it makes room (unless the
+ * caller polls), and looks once more. */
+static int ring_flush(kdac_client *c)
+{
+    for (;;) {
+        int rc = ring_write(c);
+        if (rc || !c->send_head || c->failed || c->ring_polling)
+            return rc;
+        kp_ring_set_wants(&c->ring, KP_RING_WANT_DATA | KP_RING_WANT_SPACE);
+        if (!kp_ring_writable(&c->ring))
+            return 0;
+    }
+}
+
+/* Writes as much of the queue as the socket (or the ring) takes.  Returns 0
+ * (done or would block) or an errno. */
+static int flush(kdac_client *c)
+{
+    if (c->ring_on)
+        return ring_flush(c);
+    while (c->send_head && !c->failed) {
+        struct iovec iov[CLIENT_SEND_IOVS];
+        int fd;
+        int niov = send_iov(c, iov, &fd);
+        ssize_t n = send_with_fd(c, iov, niov, fd);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -362,10 +430,30 @@ static void reader_failed(kdac_client *c, const kp_error *e)
     client_fail(c, e->code, "bad frame from the daemon: %s", e->message);
 }
 
-/* Reads until the socket would block, the peer closes, or the connection
- * fails. */
-static void read_all(kdac_client *c)
+/* Frame bytes from the socket or the ring: bytes, or -1 with errno (EAGAIN:
+ * nothing now), 0 when the socket is closed, -2 after a failure. */
+static ssize_t receive(kdac_client *c, void *dst, size_t room)
 {
+    if (!c->ring_on)
+        return recv(c->fd, dst, room, MSG_DONTWAIT);
+    size_t got;
+    kp_error e;
+    if (kp_ring_read(&c->ring, dst, room, &got, &e) != KP_OK) {
+        client_fail(c, KDAC_E_PROTOCOL, "%s", e.message);
+        return -2;
+    }
+    if (got == 0) {
+        errno = EAGAIN;
+        return -1;
+    }
+    return (ssize_t)got;
+}
+
+/* Reads until the socket (or the ring) would block, the peer closes, or the
+ * connection fails. */
+static void read_frames(kdac_client *c)
+{
+    bool ring = c->ring_on;
     while (!c->failed) {
         kp_reader *r = &c->rd;
         bool direct = r->header_have == KP_FRAME_HEADER_BYTES &&
@@ -381,7 +469,9 @@ static void read_all(kdac_client *c)
                 return;
             }
         }
-        ssize_t n = recv(c->fd, dst, room, MSG_DONTWAIT);
+        ssize_t n = receive(c, dst, room);
+        if (n == -2)
+            return;
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -416,17 +506,78 @@ static void read_all(kdac_client *c)
             }
             if (rc == KP_READ_FRAME)
                 take_frame(c);
+            /* ring.attach answered: what follows on the socket is doorbells */
+            if (c->ring_on != ring)
+                return;
         }
     }
+}
+
+/* A ring connection's socket: doorbells to discard; false once it failed
+ * (closed by the daemon, which may have left a goodbye in the ring). */
+static bool ring_drain_socket(kdac_client *c)
+{
+    for (int i = 0; i < 16; i++) {
+        ssize_t n = recv(c->fd, c->stage, CLIENT_STAGE_BYTES, MSG_DONTWAIT);
+        if (n > 0)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return true;
+        read_frames(c); /* the goodbye, if the daemon wrote one */
+        if (n == 0)
+            client_fail(c, KDAC_E_DISCONNECTED, "the daemon closed the connection%s",
+                        c->inflight ? " with requests in flight" : "");
+        else
+            client_fail(c, KDAC_E_DISCONNECTED, "connection to the daemon lost: %s",
+                        strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+/* A progress call over the ring: move bytes both ways, then (unless a
+ * blocking call spins) tell the daemon what to ring for, and look once more
+ * in case it made progress meanwhile. */
+static void ring_progress(kdac_client *c)
+{
+    for (;;) {
+        uint64_t tail = c->ring.tail;
+        if (!c->write_errno)
+            c->write_errno = flush(c);
+        read_frames(c);
+        /* Polling, nobody rings: the socket is read (for its closing) once
+         * the caller sleeps again. */
+        if (c->failed || (!c->ring_polling && !ring_drain_socket(c)))
+            return;
+        if (c->ring.tail != tail && kp_ring_peer_wants(&c->ring, KP_RING_WANT_SPACE))
+            ring_doorbell(c);
+        if (c->ring_polling)
+            return;
+        bool sending = c->send_head && !c->write_errno;
+        kp_ring_set_wants(&c->ring, KP_RING_WANT_DATA | (sending ? KP_RING_WANT_SPACE : 0));
+        if (!kp_ring_readable(&c->ring) && !(sending && kp_ring_writable(&c->ring)))
+            return;
+    }
+}
+
+void client_ring_start(kdac_client *c)
+{
+    c->ring_on = true;
 }
 
 int client_progress(kdac_client *c)
 {
     if (c->failed)
         return c->failure.code;
-    if (!c->write_errno)
-        c->write_errno = flush(c);
-    read_all(c);
+    if (c->ring_on) {
+        ring_progress(c);
+    } else {
+        if (!c->write_errno)
+            c->write_errno = flush(c);
+        read_frames(c);
+        if (c->ring_on) /* the ring.attach answer arrived */
+            ring_progress(c);
+    }
     if (c->write_errno && !c->failed)
         client_fail(c, KDAC_E_DISCONNECTED, "cannot write to the daemon: %s",
                     strerror(c->write_errno));
@@ -451,7 +602,12 @@ int kdac_client_events(const kdac_client *c)
 {
     if (!c || c->failed)
         return 0;
-    return KDAC_READABLE | (c->send_head && !c->write_errno ? KDAC_WRITABLE : 0);
+    bool sending = c->send_head && !c->write_errno;
+    /* Over the ring, doorbells announce room to write too; only a descriptor
+     * waiting to go ahead of its frame needs the socket writable. */
+    if (c->ring_on)
+        sending = sending && c->send_head->fd >= 0 && !c->send_head->fd_sent;
+    return KDAC_READABLE | (sending ? KDAC_WRITABLE : 0);
 }
 
 void kdac_client_io_status(const kdac_client *c, kdac_io_status *st)
@@ -524,6 +680,15 @@ static int64_t now_us(void)
 
 static int64_t now_ms(void) { return now_us() / 1000; }
 
+void kdac_client_set_polling(kdac_client *c, bool polling)
+{
+    if (!c)
+        return;
+    c->ring_polling = polling;
+    if (polling && c->ring_on)
+        kp_ring_set_wants(&c->ring, 0);
+}
+
 int kdac_client_set_spin(kdac_client *c, int spin_us, kdac_error *err)
 {
     if (!c || spin_us < 0 || spin_us > 1000000)
@@ -534,15 +699,18 @@ int kdac_client_set_spin(kdac_client *c, int spin_us, kdac_error *err)
 
 int sync_wait(kdac_client *c, sync_call *s, kdac_error *err)
 {
+    bool polling = c->ring_polling; /* the caller's kdac_client_set_polling */
     int64_t deadline = c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1;
     if (c->spin_us > 0) { /* read without sleeping first (kdac_client_set_spin), within the timeout */
         int64_t spin_end = now_us() + c->spin_us;
         if (deadline >= 0 && spin_end > deadline * 1000)
             spin_end = deadline * 1000;
+        kdac_client_set_polling(c, true); /* the daemon need not ring meanwhile */
         do
             client_progress(c);
         while (!s->done && now_us() < spin_end);
     }
+    c->ring_polling = false; /* this call may sleep below: the daemon must ring */
     for (;;) {
         client_progress(c);
         if (s->done)
@@ -564,6 +732,7 @@ int sync_wait(kdac_client *c, sync_call *s, kdac_error *err)
             client_fail(c, KDAC_E_SYSTEM, "poll: %s", strerror(errno));
         }
     }
+    kdac_client_set_polling(c, polling);
     if (s->status != KDAC_OK && err)
         *err = s->res.error;
     return s->status;
