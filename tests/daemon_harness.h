@@ -106,6 +106,7 @@ typedef struct dh_client {
         uint32_t id;
     } held[DH_HELD_MAX];
     int nheld;
+    kp_ring *ring;      /* dh_attach_ring: frames go through it, the socket rings */
 } dh_client;
 
 void dh_connect(dh_client *c, const dh_daemon *d);
@@ -118,6 +119,15 @@ void dh_send(dh_client *c);
 void dh_send_fd(dh_client *c, int fd);
 /* Writes raw bytes, passing fd with the first of them. */
 void dh_write_fd(dh_client *c, const void *bytes, size_t n, int fd);
+
+/*
+ * Moves c's frames to a frame ring (PROTOCOL.md §Frame ring) in `map`, which
+ * the caller registered as region `region` and which holds a ring of `size`
+ * bytes per direction: ring.attach must succeed.  From then on dh_write puts
+ * bytes into the ring (ringing the socket's doorbell after each write) and
+ * dh_recv takes frames from it (sleeping on the socket until kdad rings).
+ */
+void dh_attach_ring(dh_client *c, kp_ring *ring, void *map, uint32_t region, uint64_t size);
 
 /* Reads the next frame into c->msg; false at EOF.  Waits at most 120 s. */
 bool dh_recv(dh_client *c);

@@ -258,6 +258,7 @@ int decode_params(kp_msg *msg, const kp_session *s, kp_error *err)
         kp_region_register_shm_params shm;
         kp_region_register_cuda_params cuda;
         kp_region_release_params release;
+        kp_ring_attach_params ring;
         kp_prefill_params prefill;
     } u;
     switch (msg->method) {
@@ -281,6 +282,7 @@ int decode_params(kp_msg *msg, const kp_session *s, kp_error *err)
         return kp_region_register_cuda_params_decode(msg, s, &u.cuda, err);
     case KP_METHOD_REGION_RELEASE:
         return kp_region_release_params_decode(msg, s, &u.release, err);
+    case KP_METHOD_RING_ATTACH: return kp_ring_attach_params_decode(msg, s, &u.ring, err);
     case KP_METHOD_PREFILL: return kp_prefill_params_decode(msg, s, &u.prefill, err);
     default: return kp_fail(err, KP_E_UNKNOWN_METHOD, "%s", msg->name);
     }
