@@ -21,7 +21,10 @@ Every row also carries where the daemon's time went:
       and how many of those batches were held (device busy) or gathered (idle device)
   variant                                  "poll", "block" (cuda_completion), "spin" (clients
                                            spin 200 us before sleeping), "depth2" (two
-                                           requests in flight per client)
+                                           requests in flight per client), "spin-2ms"
+                                           (clients poll 2 ms after each answer), "ring-spin"
+                                           (the same over a frame ring), "ring" (a frame
+                                           ring, clients sleeping)
 A "socket round trip" line (kdactl ping) gives the host's floor for any request.
 The second table splits each latency row's overhead over the bare kernel into
   client (e2e - run - queue: socket, client, admission),

@@ -36,7 +36,7 @@ for step in $steps; do
     daemon)   built=$(strings $bin/test_daemon_cuda | grep -m1 -E '^/.*build[^/]*$')
               mkdir -p "$built/daemon" "$built/client" && cp $bin/kdad "$built/daemon/" && cp $bin/kdactl "$built/client/"
               rc=0
-              for t in test_daemon_cuda test_daemon_shm_cuda test_daemon_cuda_ipc; do
+              for t in test_daemon_cuda test_daemon_shm_cuda test_daemon_ring_cuda test_daemon_cuda_ipc; do
                 timeout 300 $bin/$t >> "$out/daemon.log" 2>&1 || rc=1
               done
               (exit $rc) ;;
