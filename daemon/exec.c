@@ -61,9 +61,34 @@ static kd_daemon *daemon_of(const kd_req *r)
 /* Admission helpers                                                      */
 /* ---------------------------------------------------------------------- */
 
-static int resolve(kd_req *r, uint64_t handle, const char *field, uint32_t *index, kp_error *e)
+/*
+ * A request's field, named in error messages only: "seqs[3].q", or "src".
+ * Admission checks every sequence's slot and tensors; formatting their names
+ * up front was most of its cost.  So each check runs quietly first (no
+ * kp_error), and once more with the name when it fails.
+ */
+typedef struct field_at {
+    const char *array; /* NULL: member alone */
+    uint32_t index;
+    const char *member;
+} field_at;
+
+#define FIELD(name) ((field_at){NULL, 0, (name)})
+#define SEQ_FIELD(i, member) ((field_at){"seqs", (i), (member)})
+
+static const char *field_text(field_at f, char buf[FIELD_MAX])
 {
-    return kd_pool_resolve(&daemon_of(r)->pool, handle, kd_conn_owner(r->conn), field, index, e);
+    return f.array ? kp_field_name(buf, FIELD_MAX, f.array, f.index, f.member) : f.member;
+}
+
+static int resolve(kd_req *r, uint64_t handle, field_at f, uint32_t *index, kp_error *e)
+{
+    kd_pool *pool = &daemon_of(r)->pool;
+    uint64_t owner = kd_conn_owner(r->conn);
+    if (kd_pool_resolve(pool, handle, owner, NULL, index, NULL) == KP_OK)
+        return KP_OK;
+    char buf[FIELD_MAX];
+    return kd_pool_resolve(pool, handle, owner, field_text(f, buf), index, e);
 }
 
 static int transport_of(const kd_region *reg)
@@ -73,7 +98,7 @@ static int transport_of(const kd_region *reg)
 
 /* Resolves a tensor reference to a buffer; region references are
  * bounds-checked and the region referenced by the request. */
-static int use_ref(kd_req *r, const kp_ref *ref, const char *field, bool output, kd_buf *out,
+static int use_ref(kd_req *r, const kp_ref *ref, field_at f, bool output, kd_buf *out,
                    kp_error *e)
 {
     kd_exec *x = r->exec;
@@ -83,12 +108,14 @@ static int use_ref(kd_req *r, const kp_ref *ref, const char *field, bool output,
         return KP_OK;
     }
     kd_region *reg = kd_region_find(&r->conn->regions, ref->region);
-    if (!reg)
-        return kp_fail(e, KP_E_REGION_INVALID, "%s: region %u is not registered on this "
-                       "connection", field, ref->region);
-    int rc = kp_ref_check_bounds(ref, reg->size, field, e);
-    if (rc)
-        return rc;
+    if (!reg || kp_ref_check_bounds(ref, reg->size, NULL, NULL) != KP_OK) {
+        char buf[FIELD_MAX];
+        const char *field = field_text(f, buf);
+        if (!reg)
+            return kp_fail(e, KP_E_REGION_INVALID, "%s: region %u is not registered on this "
+                           "connection", field, ref->region);
+        return kp_ref_check_bounds(ref, reg->size, field, e);
+    }
     bool known = false;
     for (uint32_t i = 0; i < x->nregions && !known; i++)
         known = x->regions[i] == reg;
@@ -184,21 +211,18 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
     *cost = (kd_job_cost){0, p->nseqs, 0, 0};
     for (uint32_t i = 0; i < p->nseqs; i++) {
         const kp_prefill_seq *q = &p->seqs[i];
-        char field[FIELD_MAX];
-        kp_field_name(field, sizeof(field), "seqs", i, "slot");
-        if ((rc = resolve(r, q->slot, field, &x->slots[i], e)))
+        if ((rc = resolve(r, q->slot, SEQ_FIELD(i, "slot"), &x->slots[i], e)))
             return rc;
         for (int t = 0; t < KP_PREFILL_TENSORS && q->len > 0; t++) {
             const kp_ref *ref = &q->tensors[t];
             kd_buf *buf = &x->prefill.buf[i][t];
             bool out = t == KP_TENSOR_OUT;
-            kp_field_name(field, sizeof(field), "seqs", i, kp_prefill_tensor_name(t));
             if (ref->kind == KP_REF_ABSENT) { /* inline output: a buffer when the batch forms */
                 x->bytes_out[KP_TRANSPORT_ID_INLINE] += kp_token_tensor_bytes(q->len, heads);
                 cost->stage_out += stage_cost(r, kp_token_tensor_bytes(q->len, heads));
                 continue;
             }
-            if ((rc = use_ref(r, ref, field, out, buf, e)))
+            if ((rc = use_ref(r, ref, SEQ_FIELD(i, kp_prefill_tensor_name(t)), out, buf, e)))
                 return rc;
             if (out)
                 cost->stage_out += tensor_stage_cost(r, *buf, ref->nbytes);
@@ -223,9 +247,7 @@ static int admit_slot_list(kd_req *r, uint32_t *nslots, kp_error *e)
         return kp_fail(e, KP_E_NO_MEMORY, "no memory for %u slots", p.nslots);
     /* All handles are checked before any slot is touched. */
     for (uint32_t i = 0; i < p.nslots; i++) {
-        char field[FIELD_MAX];
-        kp_field_name(field, sizeof(field), "slots", i, NULL);
-        if ((rc = resolve(r, p.slots[i], field, &r->exec->slots[i], e)))
+        if ((rc = resolve(r, p.slots[i], ((field_at){"slots", i, NULL}), &r->exec->slots[i], e)))
             return rc;
     }
     *nslots = p.nslots;
@@ -242,10 +264,10 @@ static int admit_fork(kd_req *r, uint32_t *nslots, kp_error *e)
         return rc;
     if (!alloc_slots(x, 2))
         return kp_fail(e, KP_E_NO_MEMORY, "no memory for a fork");
-    if ((rc = resolve(r, p.src, "src", &x->slots[0], e)))
+    if ((rc = resolve(r, p.src, FIELD("src"), &x->slots[0], e)))
         return rc;
     if (p.has_dst) {
-        if ((rc = resolve(r, p.dst, "dst", &x->slots[1], e)))
+        if ((rc = resolve(r, p.dst, FIELD("dst"), &x->slots[1], e)))
             return rc;
     } else {
         uint64_t handle;
@@ -269,12 +291,12 @@ static int admit_read(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *
         return rc;
     if (!alloc_slots(x, 1))
         return kp_fail(e, KP_E_NO_MEMORY, "no memory for a read");
-    if ((rc = resolve(r, p.slot, "slot", &x->slots[0], e)))
+    if ((rc = resolve(r, p.slot, FIELD("slot"), &x->slots[0], e)))
         return rc;
     x->read.dtype = p.dtype;
     uint64_t bytes = kp_state_bytes(r->conn->session.geometry.heads, p.dtype);
     if (p.out.kind == KP_REF_REGION) {
-        if ((rc = use_ref(r, &p.out, "out", true, &x->read.out, e)) ||
+        if ((rc = use_ref(r, &p.out, FIELD("out"), true, &x->read.out, e)) ||
             (rc = check_convertible(r, x->read.out, p.dtype, "out", e)))
             return rc;
     } else {
@@ -296,8 +318,8 @@ static int admit_write(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error 
         return rc;
     if (!alloc_slots(x, 1))
         return kp_fail(e, KP_E_NO_MEMORY, "no memory for a write");
-    if ((rc = resolve(r, p.slot, "slot", &x->slots[0], e)) ||
-        (rc = use_ref(r, &p.state, "state", false, &x->write.in, e)) ||
+    if ((rc = resolve(r, p.slot, FIELD("slot"), &x->slots[0], e)) ||
+        (rc = use_ref(r, &p.state, FIELD("state"), false, &x->write.in, e)) ||
         (rc = check_convertible(r, x->write.in, p.dtype, "state", e)))
         return rc;
     x->write.dtype = p.dtype;
@@ -423,9 +445,10 @@ static kd_prepare prepare_prefill(kd_req *r, kd_run *run)
     for (uint32_t i = 0; i < p->nseqs; i++) {
         const kp_prefill_seq *q = &p->seqs[i];
         const kd_slot *s = kd_pool_slot(&d->pool, x->slots[i]);
-        char field[FIELD_MAX];
-        kp_field_name(field, sizeof(field), "seqs", i, "slot");
-        if (!q->fresh && kd_pool_check_ready(&d->pool, x->slots[i], field, &e) != KP_OK) {
+        if (!q->fresh && kd_pool_check_ready(&d->pool, x->slots[i], NULL, NULL) != KP_OK) {
+            char field[FIELD_MAX];
+            kd_pool_check_ready(&d->pool, x->slots[i], field_text(SEQ_FIELD(i, "slot"), field),
+                                &e);
             fail(r, &e);
             return KD_PREPARE_FAILED;
         }

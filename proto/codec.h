@@ -27,6 +27,8 @@ typedef enum dec_mode {
 typedef struct dec_fields {
     kp_msg *msg;                                /* owner of the zone for copies */
     const char *path;                           /* "" at the top level, else "seqs[2]" etc. */
+    const struct dec_fields *parent;            /* or: the map is field `pname` of parent, */
+    const char *pname;                          /* its path formatted only for an error */
     const char *const *names;                   /* known keys, NULL-terminated */
     int code;                                   /* error code of this map's failures */
     const msgpack_object *vals[DEC_FIELDS_MAX]; /* value per known key, or NULL */

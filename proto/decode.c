@@ -239,21 +239,74 @@ int dec_copy_str(kp_msg *msg, const msgpack_object *o, const char *field, size_t
     return KP_OK;
 }
 
-static int find_name(const char *const *names, const char *key, uint32_t len)
+static bool name_is(const char *name, const char *key, uint32_t len)
 {
-    for (int i = 0; names[i]; i++) {
-        if (strlen(names[i]) == len && memcmp(names[i], key, len) == 0)
+    return strncmp(name, key, len) == 0 && name[len] == '\0';
+}
+
+/* The index of key in the `count` names, or -1.  Encoders write fields in
+ * the order of their names lists, some left out: the search starts after
+ * the previous key's name (`from`) and wraps around. */
+static int find_name(const char *const *names, int count, int from, const char *key,
+                     uint32_t len)
+{
+    for (int n = 0, i = from; n < count; n++, i = i + 1 < count ? i + 1 : 0) {
+        if (name_is(names[i], key, len))
             return i;
     }
     return -1;
 }
 
-/* What a map is called in messages: its path, or "params"/"result" at the top. */
-static const char *map_label(const dec_fields *f)
+/* The map's own path into buf ("" at the top); its length. */
+static size_t map_path(const dec_fields *f, char *buf, size_t size)
 {
-    if (f->path[0])
-        return f->path;
-    return f->code == KP_E_PROTOCOL ? "result" : "params";
+    if (!f->parent)
+        return kp_strlcpy(buf, f->path, size);
+    dec_path(f->parent, f->pname, buf, size);
+    return strlen(buf);
+}
+
+/* What a map is called in messages: its path, or "params"/"result" at the top. */
+static const char *map_label(const dec_fields *f, char *buf, size_t size)
+{
+    if (map_path(f, buf, size) == 0)
+        kp_strlcpy(buf, f->code == KP_E_PROTOCOL ? "result" : "params", size);
+    return buf;
+}
+
+/* dec_open's checks; f's path (or parent) is set. */
+static int open_map(dec_fields *f, const msgpack_object *obj, dec_mode mode, kp_error *err)
+{
+    char label[DEC_PATH_MAX];
+    int code = f->code;
+    const char *const *names = f->names;
+    if (obj->type != MSGPACK_OBJECT_MAP)
+        return kp_fail(err, code, "%s: expected a map, got %s", map_label(f, label, sizeof(label)),
+                       type_name(obj));
+    int count = 0, next = 0;
+    while (names[count])
+        count++;
+    for (uint32_t i = 0; i < obj->via.map.size; i++) {
+        const msgpack_object *key = &obj->via.map.ptr[i].key;
+        if (key->type != MSGPACK_OBJECT_STR)
+            return kp_fail(err, code, "%s: keys must be str, got %s",
+                           map_label(f, label, sizeof(label)), type_name(key));
+        int at = find_name(names, count, next, key->via.str.ptr, key->via.str.size);
+        int shown = key->via.str.size > 40 ? 40 : (int)key->via.str.size;
+        if (at < 0) {
+            if (mode == DEC_LENIENT)
+                continue;
+            return kp_fail(err, code, "%s: unknown field \"%.*s\"",
+                           map_label(f, label, sizeof(label)), shown, key->via.str.ptr);
+        }
+        assert(at < DEC_FIELDS_MAX); /* a names list longer than vals[] is a codec bug */
+        if (f->vals[at])
+            return kp_fail(err, code, "%s: field \"%.*s\" appears twice",
+                           map_label(f, label, sizeof(label)), shown, key->via.str.ptr);
+        f->vals[at] = &obj->via.map.ptr[i].val;
+        next = at + 1 < count ? at + 1 : 0;
+    }
+    return KP_OK;
 }
 
 int dec_open(dec_fields *f, kp_msg *msg, const msgpack_object *obj, const char *path,
@@ -264,28 +317,20 @@ int dec_open(dec_fields *f, kp_msg *msg, const msgpack_object *obj, const char *
     f->path = path;
     f->names = names;
     f->code = code;
-    if (obj->type != MSGPACK_OBJECT_MAP)
-        return kp_fail(err, code, "%s: expected a map, got %s", map_label(f), type_name(obj));
-    for (uint32_t i = 0; i < obj->via.map.size; i++) {
-        const msgpack_object *key = &obj->via.map.ptr[i].key;
-        if (key->type != MSGPACK_OBJECT_STR)
-            return kp_fail(err, code, "%s: keys must be str, got %s", map_label(f),
-                           type_name(key));
-        int at = find_name(names, key->via.str.ptr, key->via.str.size);
-        int shown = key->via.str.size > 40 ? 40 : (int)key->via.str.size;
-        if (at < 0) {
-            if (mode == DEC_LENIENT)
-                continue;
-            return kp_fail(err, code, "%s: unknown field \"%.*s\"", map_label(f), shown,
-                           key->via.str.ptr);
-        }
-        assert(at < DEC_FIELDS_MAX); /* a names list longer than vals[] is a codec bug */
-        if (f->vals[at])
-            return kp_fail(err, code, "%s: field \"%.*s\" appears twice", map_label(f), shown,
-                           key->via.str.ptr);
-        f->vals[at] = &obj->via.map.ptr[i].val;
-    }
-    return KP_OK;
+    return open_map(f, obj, mode, err);
+}
+
+/* dec_open of field `name` of parent: no path is built unless it fails. */
+static int dec_open_field(dec_fields *f, const dec_fields *parent, const char *name,
+                          const msgpack_object *obj, const char *const *names, kp_error *err)
+{
+    memset(f, 0, sizeof(*f));
+    f->msg = parent->msg;
+    f->parent = parent;
+    f->pname = name;
+    f->names = names;
+    f->code = parent->code;
+    return open_map(f, obj, DEC_STRICT, err);
 }
 
 const msgpack_object *dec_get(const dec_fields *f, const char *name)
@@ -305,11 +350,9 @@ const msgpack_object *dec_get(const dec_fields *f, const char *name)
 
 void dec_path(const dec_fields *f, const char *name, char *buf, size_t size)
 {
-    size_t at = 0;
-    if (f->path[0]) {
-        at = kp_strlcpy(buf, f->path, size);
+    size_t at = map_path(f, buf, size);
+    if (at)
         at += kp_strlcpy(buf + at, ".", size - at);
-    }
     kp_strlcpy(buf + at, name, size - at);
 }
 
@@ -456,7 +499,10 @@ int dec_enum(const dec_fields *f, const char *name, const char *const *choices, 
         return rc;
     if (o->type != MSGPACK_OBJECT_STR)
         return wrong_type(f, name, "a str", o, err);
-    int at = find_name(choices, o->via.str.ptr, o->via.str.size);
+    int count = 0;
+    while (choices[count])
+        count++;
+    int at = find_name(choices, count, 0, o->via.str.ptr, o->via.str.size);
     if (at >= 0) {
         *out = at;
         return KP_OK;
@@ -484,26 +530,37 @@ static int bin_size_error(const dec_fields *f, const char *name, uint64_t nbytes
 }
 
 /* {"region": id, "offset": bytes} for a reference of nbytes bytes. */
-static int dec_region_ref(const dec_fields *f, const char *path, const msgpack_object *o,
+static int dec_region_ref(const dec_fields *f, const char *name, const msgpack_object *o,
                           uint64_t nbytes, kp_ref *out, kp_error *err)
 {
     static const char *const names[] = {"region", "offset", NULL};
     dec_fields rf;
     uint32_t region = 0;
     uint64_t offset = 0;
-    int rc = dec_open(&rf, f->msg, o, path, names, DEC_STRICT, f->code, err);
+    int rc = dec_open_field(&rf, f, name, o, names, err);
     if (rc || (rc = dec_u32(&rf, "region", 1, UINT32_MAX, &region, NULL, err)) ||
         (rc = dec_u64(&rf, "offset", 0, UINT64_MAX, &offset, NULL, err)))
         return rc;
-    if (offset % KP_TENSOR_ALIGN)
-        return kp_fail(err, f->code, "%s.offset: %llu is not a multiple of %d", path,
-                       (unsigned long long)offset, KP_TENSOR_ALIGN);
     uint64_t end;
-    if (__builtin_add_overflow(offset, nbytes, &end))
+    bool overflows = __builtin_add_overflow(offset, nbytes, &end);
+    if (offset % KP_TENSOR_ALIGN || overflows) {
+        char path[DEC_PATH_MAX];
+        dec_path(f, name, path, sizeof(path));
+        if (offset % KP_TENSOR_ALIGN)
+            return kp_fail(err, f->code, "%s.offset: %llu is not a multiple of %d", path,
+                           (unsigned long long)offset, KP_TENSOR_ALIGN);
         return kp_fail(err, KP_E_REGION_BOUNDS, "%s: offset %llu + %llu bytes overflows", path,
                        (unsigned long long)offset, (unsigned long long)nbytes);
+    }
     *out = kp_ref_region(region, offset, nbytes);
     return KP_OK;
+}
+
+/* dec_path into a DEC_PATH_MAX buffer, returned (for error messages). */
+static const char *field_path(const dec_fields *f, const char *name, char buf[DEC_PATH_MAX])
+{
+    dec_path(f, name, buf, DEC_PATH_MAX);
+    return buf;
 }
 
 /* dec_ref with the shape's arguments in a va_list: dec_ref and dec_bin share it. */
@@ -517,11 +574,10 @@ static int vdec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool
     if (rc <= 0)
         return rc;
     char path[DEC_PATH_MAX];
-    dec_path(f, name, path, sizeof(path));
     if (o->type == MSGPACK_OBJECT_BIN) {
         if (!allow_inline)
             return kp_fail(err, f->code, "%s: must be a region reference {region, offset}; "
-                           "omit it to receive the data inline", path);
+                           "omit it to receive the data inline", field_path(f, name, path));
         if (o->via.bin.size != nbytes)
             return bin_size_error(f, name, nbytes, o->via.bin.size, err, shape_fmt, ap);
         *out = kp_ref_inline(o->via.bin.ptr, nbytes);
@@ -529,8 +585,8 @@ static int vdec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool
     }
     if (o->type == MSGPACK_OBJECT_MAP) {
         if (!allow_region)
-            return kp_fail(err, f->code, "%s: must be an inline bin", path);
-        return dec_region_ref(f, path, o, nbytes, out, err);
+            return kp_fail(err, f->code, "%s: must be an inline bin", field_path(f, name, path));
+        return dec_region_ref(f, name, o, nbytes, out, err);
     }
     return wrong_type(f, name, !allow_region ? "a bin" : allow_inline ? "a bin or a region map"
                                                                       : "a region map", o, err);

@@ -151,6 +151,32 @@ static int slot_at_cmp(const void *a, const void *b)
     return x->seq < y->seq ? -1 : x->seq > y->seq;
 }
 
+/*
+ * qsort for the few, mostly ordered, entries of one request (tensors come in
+ * sequence order, usually at rising offsets): insertion sort is linear on
+ * those, where glibc's qsort allocates and sorts by merging.
+ */
+static void sort_small(void *base, size_t n, size_t size, int (*cmp)(const void *, const void *))
+{
+    enum { SMALL = 64, MAX_ENTRY = 64 };
+    if (n > SMALL || size > MAX_ENTRY) {
+        qsort(base, n, size, cmp);
+        return;
+    }
+    uint8_t *v = base, tmp[MAX_ENTRY];
+    for (size_t i = 1; i < n; i++) {
+        size_t j = i;
+        if (cmp(v + (j - 1) * size, v + i * size) <= 0)
+            continue;
+        memcpy(tmp, v + i * size, size);
+        while (j > 0 && cmp(v + (j - 1) * size, tmp) > 0) {
+            memcpy(v + j * size, v + (j - 1) * size, size);
+            j--;
+        }
+        memcpy(v + j * size, tmp, size);
+    }
+}
+
 /* The kernel updates each slot in place, once per launch: a slot named twice
  * in one request would race with itself. */
 static int check_distinct_slots(kp_msg *msg, const kp_prefill_params *p, kp_error *err)
@@ -160,7 +186,7 @@ static int check_distinct_slots(kp_msg *msg, const kp_prefill_params *p, kp_erro
         return err ? err->code : KP_E_NO_MEMORY;
     for (uint32_t i = 0; i < p->nseqs; i++)
         v[i] = (slot_at){p->seqs[i].slot, i};
-    qsort(v, p->nseqs, sizeof(*v), slot_at_cmp);
+    sort_small(v, p->nseqs, sizeof(*v), slot_at_cmp);
     for (uint32_t i = 1; i < p->nseqs; i++) {
         if (v[i].slot == v[i - 1].slot)
             return kp_fail(err, KP_E_INVALID_PARAMS, "seqs[%u].slot: slot 0x%llx is also named "
@@ -198,46 +224,52 @@ static int overlap_error(const range *a, const range *b, kp_error *err)
 
 /*
  * Outputs must not overlap anything else of the request (inputs may share
- * bytes with each other: q == k is legal).  Sorted by start within each
- * region, a range overlaps an earlier one iff it starts before the furthest
- * end seen so far; tracking the furthest end of all ranges and of outputs
- * alone finds every pair that involves an output.
+ * bytes with each other: q == k is legal).  The outputs, sorted by (region,
+ * start), must not overlap each other; then, their ends rising with their
+ * starts, an input overlaps some output iff it overlaps the last output of
+ * its region that starts before the input ends (a binary search).  Requests
+ * have few outputs: this sorts those alone.
  */
 static int check_out_overlaps(kp_msg *msg, const kp_prefill_params *p, kp_error *err)
 {
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < p->nseqs; i++) {
-        for (int t = 0; t < KP_PREFILL_TENSORS; t++)
-            n += p->seqs[i].tensors[t].kind == KP_REF_REGION;
-    }
-    if (n < 2)
+    uint32_t nout = 0;
+    for (uint32_t i = 0; i < p->nseqs; i++)
+        nout += p->seqs[i].tensors[KP_TENSOR_OUT].kind == KP_REF_REGION;
+    if (nout == 0)
         return KP_OK;
-    range *v = dec_alloc(msg, n, sizeof(*v), err);
-    if (!v)
+    range *outs = dec_alloc(msg, nout, sizeof(*outs), err);
+    if (!outs)
         return err ? err->code : KP_E_NO_MEMORY;
-    n = 0;
+    nout = 0;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_ref *r = &p->seqs[i].tensors[KP_TENSOR_OUT];
+        if (r->kind == KP_REF_REGION) /* offset + nbytes was overflow-checked on decode */
+            outs[nout++] = (range){r->region, r->offset, r->offset + r->nbytes, i, KP_TENSOR_OUT};
+    }
+    sort_small(outs, nout, sizeof(*outs), range_cmp);
+    for (uint32_t i = 1; i < nout; i++) {
+        if (outs[i].region == outs[i - 1].region && outs[i].start < outs[i - 1].end)
+            return overlap_error(&outs[i], &outs[i - 1], err);
+    }
     for (uint32_t i = 0; i < p->nseqs; i++) {
         for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
             const kp_ref *r = &p->seqs[i].tensors[t];
-            if (r->kind == KP_REF_REGION) /* offset + nbytes was overflow-checked on decode */
-                v[n++] = (range){r->region, r->offset, r->offset + r->nbytes, i, t};
+            if (t == KP_TENSOR_OUT || r->kind != KP_REF_REGION)
+                continue;
+            range in = {r->region, r->offset, r->offset + r->nbytes, i, t};
+            uint32_t lo = 0, hi = nout; /* first output at or after (region, in.end) */
+            while (lo < hi) {
+                uint32_t mid = lo + (hi - lo) / 2;
+                const range *o = &outs[mid];
+                if (o->region < in.region || (o->region == in.region && o->start < in.end))
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            const range *o = lo > 0 ? &outs[lo - 1] : NULL;
+            if (o && o->region == in.region && o->end > in.start)
+                return overlap_error(o, &in, err);
         }
-    }
-    qsort(v, n, sizeof(*v), range_cmp);
-    const range *furthest = NULL, *furthest_out = NULL;
-    for (uint32_t i = 0; i < n; i++) {
-        const range *c = &v[i];
-        if (i > 0 && c->region != v[i - 1].region)
-            furthest = furthest_out = NULL;
-        bool out = c->tensor == KP_TENSOR_OUT;
-        if (out && furthest && c->start < furthest->end)
-            return overlap_error(c, furthest, err);
-        if (!out && furthest_out && c->start < furthest_out->end)
-            return overlap_error(furthest_out, c, err);
-        if (!furthest || c->end > furthest->end)
-            furthest = c;
-        if (out && (!furthest_out || c->end > furthest_out->end))
-            furthest_out = c;
     }
     return KP_OK;
 }
@@ -291,10 +323,13 @@ int kp_prefill_check_regions(const kp_prefill_params *p, kp_region_size_fn regio
             const kp_ref *r = &p->seqs[i].tensors[t];
             if (r->kind != KP_REF_REGION)
                 continue;
+            uint64_t size;
+            bool known = region_size(ctx, r->region, &size) == KP_OK;
+            if (known && r->offset <= size && r->nbytes <= size - r->offset)
+                continue; /* the field's name is only formatted for an error */
             char field[DEC_PATH_MAX];
             kp_field_name(field, sizeof(field), "seqs", i, kp_prefill_tensor_name(t));
-            uint64_t size;
-            if (region_size(ctx, r->region, &size) != KP_OK)
+            if (!known)
                 return kp_fail(err, KP_E_REGION_INVALID, "%s: region %u is not registered on "
                                "this connection", field, r->region);
             int rc = kp_ref_check_bounds(r, size, field, err);

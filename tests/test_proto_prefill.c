@@ -146,6 +146,62 @@ static void test_prefill_duplicate_slot(void **state)
     edit_end(&e);
 }
 
+/* The overlap check against every pair, on random layouts of 1..12
+ * one-token sequences in two regions (offsets on a coarse grid, so that
+ * overlaps, adjacency and shared inputs all happen). */
+static void test_prefill_overlaps_random(void **state)
+{
+    (void)state;
+    uint64_t rng = 12345;
+    int refused = 0, rounds = 3000;
+    for (int round = 0; round < rounds; round++) {
+        kp_prefill_seq seqs[12];
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        uint32_t n = 1 + (uint32_t)(rng >> 60) % 12;
+        memset(seqs, 0, sizeof(seqs));
+        for (uint32_t i = 0; i < n; i++) {
+            seqs[i].slot = SLOT(i);
+            seqs[i].len = 1;
+            for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+                rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                uint64_t bytes = t == KP_TENSOR_BETA ? BETA_BYTES(1) : TOK_BYTES(1);
+                uint32_t region = 1 + (uint32_t)(rng >> 63);
+                /* a grid of half a token tensor: overlaps, adjacency, shared inputs */
+                uint64_t off = ((rng >> 20) % 512) * (TOK_BYTES(1) / 2);
+                seqs[i].tensors[t] = kp_ref_region(region, off, bytes);
+            }
+        }
+        bool overlap = false;
+        for (uint32_t i = 0; i < n; i++) {
+            const kp_ref *o = &seqs[i].out;
+            for (uint32_t j = 0; j < n; j++) {
+                for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+                    const kp_ref *x = &seqs[j].tensors[t];
+                    if ((j == i && t == KP_TENSOR_OUT) || x->region != o->region)
+                        continue;
+                    overlap |= x->offset < o->offset + o->nbytes && o->offset < x->offset + x->nbytes;
+                }
+            }
+        }
+        kp_prefill_params p = {.layer = "L", .seqs = seqs, .nseqs = n};
+        ENC(kp_prefill_params_encode(&test_writer, 11, &p, &enc_err_));
+        wire x;
+        open_request(&x, KP_METHOD_PREFILL, 11);
+        kp_prefill_params got;
+        kp_error e;
+        int rc = kp_prefill_params_decode(&x.msg, &test_session, &got, &e);
+        if (overlap != (rc != KP_OK))
+            fail_msg("round %d, %u seqs: brute force says %s, the check said %s", round, n,
+                     overlap ? "overlap" : "none", rc ? e.message : "ok");
+        if (rc)
+            assert_non_null(strstr(e.message, ".out overlaps "));
+        refused += rc != KP_OK;
+        wire_close(&x);
+    }
+    /* both outcomes, often */
+    assert_true(refused > rounds / 10 && refused < rounds * 9 / 10);
+}
+
 static void test_prefill_out_overlaps(void **state)
 {
     edit e;
@@ -336,6 +392,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefill_region_refs, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_duplicate_slot, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_out_overlaps, prefill_setup, prefill_teardown),
+        cmocka_unit_test_setup_teardown(test_prefill_overlaps_random, prefill_setup,
+                                        prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_limits, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_result_checked, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_check_regions, prefill_setup, prefill_teardown),
