@@ -375,9 +375,13 @@ int kp_frame_check(const uint8_t *body, size_t len, uint64_t max_frame, kp_error
  * it in pieces (uv_write does).  Every encoder replaces the writer's content
  * with one complete frame; reuse a writer only after its frame was written.
  */
+#define KP_WRITER_PENDING 512 /* bytes of small pieces gathered before a copy into vbuf */
+
 typedef struct kp_writer {
     msgpack_vrefbuffer vbuf;
     msgpack_packer pk;
+    uint8_t pending[KP_WRITER_PENDING]; /* packed bytes not yet in vbuf */
+    size_t npending;
     uint64_t max_frame;  /* body cap of the peer; larger frames fail to encode */
     uint64_t body_bytes; /* body length of the current frame */
     bool failed;         /* an allocation failed while packing */

@@ -4,7 +4,9 @@
  * message encoders use.
  *
  * Zero copy: small pieces (headers, keys, numbers, strings) are copied into
- * the vrefbuffer's chunks; tensor payloads of WRITER_REF_MIN bytes or more
+ * the vrefbuffer's chunks (gathered in the writer's `pending` bytes first:
+ * the vrefbuffer's append costs more than most pieces' memcpy); tensor
+ * payloads of WRITER_REF_MIN bytes or more
  * are appended as references, so they travel from the caller's memory to
  * the socket by writev without an intermediate copy.  Strings are always
  * copied, even long ones: an error message often lives on the caller's stack.
@@ -21,14 +23,29 @@
 /* Size of the vrefbuffer's copy chunks. */
 #define WRITER_CHUNK 8192
 
+/* Moves the pending bytes into the vrefbuffer. */
+static void writer_flush(kp_writer *w)
+{
+    if (w->npending && msgpack_vrefbuffer_append_copy(&w->vbuf, (const char *)w->pending,
+                                                      w->npending) != 0)
+        w->failed = true;
+    w->npending = 0;
+}
+
 /* msgpack_packer callback: every packed piece is copied. */
 static int writer_copy(void *data, const char *buf, size_t len)
 {
     kp_writer *w = data;
-    if (msgpack_vrefbuffer_append_copy(&w->vbuf, buf, len) != 0) {
+    if (w->npending + len > sizeof(w->pending))
+        writer_flush(w);
+    if (len <= sizeof(w->pending)) {
+        memcpy(w->pending + w->npending, buf, len);
+        w->npending += len;
+    } else if (msgpack_vrefbuffer_append_copy(&w->vbuf, buf, len) != 0) {
         w->failed = true;
-        return -1;
     }
+    if (w->failed)
+        return -1;
     w->body_bytes += len;
     return 0;
 }
@@ -87,16 +104,16 @@ int kp_writer_flatten(const kp_writer *w, uint8_t **frame, size_t *len, kp_error
 /* Empties the writer and reserves the 4-byte prefix, patched by enc_finish. */
 static void writer_begin(kp_writer *w)
 {
-    static const char placeholder[KP_FRAME_HEADER_BYTES] = {0};
     msgpack_vrefbuffer_clear(&w->vbuf);
     w->failed = false;
     w->body_bytes = 0;
-    if (msgpack_vrefbuffer_append_copy(&w->vbuf, placeholder, sizeof(placeholder)) != 0)
-        w->failed = true;
+    memset(w->pending, 0, KP_FRAME_HEADER_BYTES);
+    w->npending = KP_FRAME_HEADER_BYTES;
 }
 
 int enc_finish(kp_writer *w, kp_error *err)
 {
+    writer_flush(w);
     if (w->failed)
         return kp_fail(err, KP_E_NO_MEMORY, "out of memory while encoding a frame");
     if (w->body_bytes > w->max_frame)
@@ -159,6 +176,7 @@ void enc_bin(kp_writer *w, const void *data, uint64_t n)
         msgpack_pack_bin_body(&w->pk, data, (size_t)n);
         return;
     }
+    writer_flush(w);
     if (msgpack_vrefbuffer_append_ref(&w->vbuf, data, (size_t)n) != 0) {
         w->failed = true;
         return;

@@ -71,32 +71,47 @@ static int check_dtype(kdac_dtype dtype, kdac_error *err)
 }
 
 /* An input tensor of nbytes as a codec reference. */
-static int input_ref(const kdac_tensor *t, uint64_t nbytes, const char *field, kp_ref *ref,
-                     kdac_error *err)
+/* Tensor fields are named in errors only: seqs[seq].name, or name alone for
+ * a field of the params (seq TOP_FIELD). */
+#define TOP_FIELD UINT32_MAX
+#define FIELD_NAME_MAX 48
+
+static const char *field_name(char buf[FIELD_NAME_MAX], uint32_t seq, const char *name)
 {
+    return seq == TOP_FIELD ? name : kp_field_name(buf, FIELD_NAME_MAX, "seqs", seq, name);
+}
+
+static int input_ref(const kdac_tensor *t, uint64_t nbytes, uint32_t seq, const char *name,
+                     kp_ref *ref, kdac_error *err)
+{
+    char buf[FIELD_NAME_MAX];
     if (t->region) {
         if (t->offset % KDAC_TENSOR_ALIGN)
             return kdac_fail(err, KDAC_E_INVALID_PARAMS, "%s: offset %llu is not a multiple "
-                             "of %d", field, (unsigned long long)t->offset, KDAC_TENSOR_ALIGN);
+                             "of %d", field_name(buf, seq, name), (unsigned long long)t->offset,
+                             KDAC_TENSOR_ALIGN);
         *ref = kp_ref_region(t->region, t->offset, nbytes);
         return KDAC_OK;
     }
     if (!t->data)
-        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "%s: neither data nor a region", field);
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "%s: neither data nor a region",
+                         field_name(buf, seq, name));
     *ref = kp_ref_inline(t->data, nbytes);
     return KDAC_OK;
 }
 
 /* An output: a region reference, or ABSENT (inline in the result). */
-static int output_ref(const kdac_output *o, uint64_t nbytes, const char *field, kp_ref *ref,
-                      kdac_error *err)
+static int output_ref(const kdac_output *o, uint64_t nbytes, uint32_t seq, const char *name,
+                      kp_ref *ref, kdac_error *err)
 {
+    char buf[FIELD_NAME_MAX];
     memset(ref, 0, sizeof(*ref));
     if (!o->region)
         return KDAC_OK;
     if (o->offset % KDAC_TENSOR_ALIGN)
         return kdac_fail(err, KDAC_E_INVALID_PARAMS, "%s: offset %llu is not a multiple of %d",
-                         field, (unsigned long long)o->offset, KDAC_TENSOR_ALIGN);
+                         field_name(buf, seq, name), (unsigned long long)o->offset,
+                         KDAC_TENSOR_ALIGN);
     *ref = kp_ref_region(o->region, o->offset, nbytes);
     return KDAC_OK;
 }
@@ -143,7 +158,6 @@ static int prefill_seq(const kdac_client *c, const kdac_seq *s, uint32_t i, kp_p
 {
     uint32_t heads = c->info.heads;
     const kdac_tensor *in[5] = {&s->q, &s->k, &s->v, &s->g, &s->beta};
-    char field[48];
     if (s->flags & ~(KDAC_SEQ_FRESH | KDAC_SEQ_EXPECT_POS))
         return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "seqs[%u].flags: unknown bits 0x%x", i,
                          s->flags);
@@ -162,15 +176,13 @@ static int prefill_seq(const kdac_client *c, const kdac_seq *s, uint32_t i, kp_p
     uint64_t tok = kp_token_tensor_bytes(s->len, heads);
     for (int t = KP_TENSOR_Q; t <= KP_TENSOR_BETA; t++) {
         uint64_t nbytes = t == KP_TENSOR_BETA ? kp_beta_bytes(s->len, heads) : tok;
-        kp_field_name(field, sizeof(field), "seqs", i, kp_prefill_tensor_name(t));
-        int rc = input_ref(in[t], nbytes, field, &q->tensors[t], err);
+        int rc = input_ref(in[t], nbytes, i, kp_prefill_tensor_name(t), &q->tensors[t], err);
         if (rc)
             return rc;
         if (q->tensors[t].kind == KP_REF_INLINE)
             sums[1] += nbytes;
     }
-    kp_field_name(field, sizeof(field), "seqs", i, "out");
-    int rc = output_ref(&s->out, tok, field, &q->out, err);
+    int rc = output_ref(&s->out, tok, i, "out", &q->out, err);
     if (rc)
         return rc;
     if (q->out.kind == KP_REF_ABSENT) {
@@ -432,7 +444,7 @@ int kdac_slot_read_send(kdac_client *c, uint64_t slot, kdac_dtype dtype, kdac_ou
         return rc;
     uint64_t nbytes = kp_state_bytes(c->info.heads, (kp_dtype)dtype);
     kp_slot_read_params params = {slot, true, (kp_dtype)dtype, {0}};
-    if ((rc = output_ref(&out, nbytes, "out", &params.out, err)))
+    if ((rc = output_ref(&out, nbytes, TOP_FIELD, "out", &params.out, err)))
         return rc;
     if (!out.region && !out.data)
         return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "out: neither data nor a region");
@@ -471,7 +483,7 @@ int kdac_slot_write_send(kdac_client *c, uint64_t slot, uint64_t pos, kdac_dtype
         return rc;
     uint64_t nbytes = kp_state_bytes(c->info.heads, (kp_dtype)dtype);
     kp_slot_write_params params = {slot, pos, (kp_dtype)dtype, {0}};
-    if ((rc = input_ref(&state, nbytes, "state", &params.state, err)))
+    if ((rc = input_ref(&state, nbytes, TOP_FIELD, "state", &params.state, err)))
         return rc;
     if (!state.region && nbytes > c->info.limits.max_inline_bytes)
         return kdac_fail(err, KDAC_E_LIMIT_EXCEEDED, "state: %llu bytes inline exceed "
