@@ -25,7 +25,9 @@
  *            into the region)
  * A batch with nothing to copy (CUDA IPC regions) stays on `stream` alone.
  * Timing events bracket the whole (begin_ev .. end_ev: the batch's device
- * time) and the graph (k0_ev .. k1_ev: the kernel's).
+ * time) and the graph (k0_ev .. k1_ev: the kernel's).  A batch that is the
+ * graph alone (device memory, no slot operations) records k0_ev and k1_ev
+ * only: every record costs the launch path a driver call.
  *
  * A batch goes through four steps, none of which blocks the loop:
  *   1. stage   (worker thread)  inline inputs and converted states into the
@@ -128,7 +130,8 @@ typedef struct cuda_buf {
     stage_out *outs;
     uint32_t nouts, outs_cap, ops_cap;
     cudaEvent_t in_ev, kernel_ev;                 /* cross-stream order */
-    cudaEvent_t begin_ev, k0_ev, k1_ev, end_ev;   /* timing; end_ev is the completion */
+    cudaEvent_t begin_ev, k0_ev, k1_ev, end_ev;   /* timing */
+    cudaEvent_t first_ev, last_ev;                /* this batch's bracket; last_ev completes it */
     cudaGraphExec_t *graphs; /* one per bucket */
     /* set by the completion thread (under the backend's mutex) */
     cudaError_t sync_err;
@@ -501,6 +504,9 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
     cudaError_t e = cudaSuccess;
     bool copy_in = bf->in_pinned || bf->shm_in.n;
     bool copy_out = bf->out_pinned || bf->shm_out.n;
+    bool graph_only = !copy_in && !copy_out && b->nops == 0 && b->nseqs > 0;
+    bf->first_ev = graph_only ? bf->k0_ev : bf->begin_ev;
+    bf->last_ev = graph_only ? bf->k1_ev : bf->end_ev;
     *what = "copying inputs to the device";
     if (copy_in) {
         e = cudaEventRecord(bf->begin_ev, cb->h2d);
@@ -515,7 +521,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
             e = cudaEventRecord(bf->in_ev, cb->h2d);
         if (e == cudaSuccess)
             e = cudaStreamWaitEvent(cb->stream, bf->in_ev, 0);
-    } else {
+    } else if (!graph_only) {
         e = cudaEventRecord(bf->begin_ev, cb->stream);
     }
     for (uint32_t i = 0; e == cudaSuccess && i < b->nops; i++) {
@@ -543,7 +549,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
             e = cudaMemcpyAsync(x->host, x->dev, x->bytes, cudaMemcpyDeviceToHost, cb->d2h);
         }
     }
-    if (e == cudaSuccess) {
+    if (e == cudaSuccess && !graph_only) {
         *what = "recording the completion event";
         e = cudaEventRecord(bf->end_ev, copy_out ? cb->d2h : cb->stream);
     }
@@ -640,7 +646,7 @@ static void *waiter_main(void *arg)
             break;
         cuda_buf *bf = cb->pending[0];
         pthread_mutex_unlock(&cb->mu);
-        cudaError_t e = wait_event(cb, bf->end_ev);
+        cudaError_t e = wait_event(cb, bf->last_ev);
         uint64_t now = uv_hrtime();
         pthread_mutex_lock(&cb->mu);
         if (e == cudaErrorNotReady) /* stopping */
@@ -726,7 +732,7 @@ static void on_wake(uv_async_t *a)
         }
         b->t.signaled_ns = bf->signaled_ns;
         b->t.done_ns = now;
-        b->t.device_ns = elapsed_ns(bf->begin_ev, bf->end_ev);
+        b->t.device_ns = elapsed_ns(bf->first_ev, bf->last_ev);
         b->t.kernel_ns = b->nseqs ? elapsed_ns(bf->k0_ev, bf->k1_ev) : 0;
         if (bf->nouts == 0) {
             b->t.unstaged_ns = now;
@@ -1133,6 +1139,10 @@ static cudaError_t capture(cuda_backend *cb, cuda_buf *bf, uint32_t bucket, cuda
 static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
 {
     cudaError_t e;
+    /* Either may end a batch (see first_ev / last_ev). */
+    const unsigned completion_flags = cb->completion == KD_CUDA_COMPLETION_BLOCK
+                                          ? cudaEventBlockingSync
+                                          : cudaEventDefault;
     bf->owner = cb;
     size_t table = table_bytes(max_seqs);
     if ((e = cudaMallocHost((void **)&bf->table_host, table)) ||
@@ -1145,10 +1155,8 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
         (e = cudaEventCreateWithFlags(&bf->kernel_ev, cudaEventDisableTiming)) ||
         (e = cudaEventCreateWithFlags(&bf->begin_ev, cudaEventDefault)) ||
         (e = cudaEventCreateWithFlags(&bf->k0_ev, cudaEventDefault)) ||
-        (e = cudaEventCreateWithFlags(&bf->k1_ev, cudaEventDefault)) ||
-        (e = cudaEventCreateWithFlags(&bf->end_ev, cb->completion == KD_CUDA_COMPLETION_BLOCK
-                                                       ? cudaEventBlockingSync
-                                                       : cudaEventDefault)))
+        (e = cudaEventCreateWithFlags(&bf->k1_ev, completion_flags)) ||
+        (e = cudaEventCreateWithFlags(&bf->end_ev, completion_flags)))
         return e;
     /* The graphs copy whole buckets: never let them read uninitialised bytes. */
     memset(bf->table_host, 0, table);
