@@ -17,9 +17,10 @@
 # default); "block" repeats the CUDA IPC latency rows and the 8-client row with
 # cuda_completion: block; "spin" repeats them with clients that poll their
 # socket for 200 us before sleeping (kdactl bench --spin); "depth2" is the
-# 8-client row with two requests in flight per client; "spin-2ms", "ring-spin" and "ring"
-# compare the socket with the frame ring (kdactl bench --ring), clients polling for 2 ms after
-# each answer or sleeping.  E2E_ONLY=nobatch runs only the batching-off rows,
+# 8-client row with two requests in flight per client; "ring-spin" runs the device-memory
+# rows over the frame ring (kdactl bench --ring) with clients polling for 2 ms after each
+# answer; E2E_ONLY=ring compares it with the socket ("spin-2ms") and with sleeping clients
+# ("ring").  E2E_ONLY=nobatch runs only the batching-off rows,
 # E2E_ONLY=ipc only the device-memory rows (CUDA IPC and VMM, all variants), E2E_ONLY=ring
 # only the ring comparison, for quick checks.
 set -uo pipefail
@@ -101,9 +102,9 @@ clients_row() {  # clients_row CLIENTS TRANSPORT [WORKLOAD]  ($client_args too)
     --requests $(($1 * 25)) --transport "$2" $client_args
 }
 
-ring_rows() {    # the frame ring against the socket, both with clients that keep polling
+ring_rows() {    # ring_rows VARIANTS...: the frame ring against the socket
   local v
-  for v in "spin-2ms:--spin 2000" "ring-spin:--ring --spin 2000" "ring:--ring"; do
+  for v in "$@"; do
     variant=${v%%:*} client_args=${v#*:}
     latency_rows 96 cuda-ipc cuda-vmm
     for t in cuda-ipc cuda-vmm; do clients_row 8 $t; done
@@ -133,7 +134,7 @@ elif [ "$only" = ipc ]; then
 elif [ "$only" = ring ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
   ping_row
-  ring_rows
+  ring_rows "spin-2ms:--spin 2000" "ring-spin:--ring --spin 2000" "ring:--ring"
   stop_kdad
 fi
 
@@ -155,7 +156,7 @@ if [ -z "$only" ] || [ "$only" = ipc ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
   variant=spin client_args="--spin 200"
   latency_rows 96 cuda-ipc cuda-vmm
-  ring_rows
+  ring_rows "ring-spin:--ring --spin 2000"
   variant=depth2 client_args=""
   for t in cuda-ipc cuda-vmm; do
     measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients 8 --depth 2 \
