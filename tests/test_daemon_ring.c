@@ -55,6 +55,21 @@ static kdac_client *open_client(const dh_daemon *d, const dh_layer *l)
     return c;
 }
 
+/* A daemon, and the layer every libkdaclient test registers on it. */
+static void start_with_layer(dh_daemon *d, test_rng *r, dh_layer *l)
+{
+    start(d);
+    rng_seed(r, 31);
+    dh_layer_make(l, r);
+}
+
+static void attach(kdac_client *c, uint64_t bytes_per_direction)
+{
+    kdac_error err;
+    if (kdac_ring_attach(c, bytes_per_direction, &err) != KDAC_OK)
+        fail_msg("ring.attach: %s", err.message);
+}
+
 static uint64_t alloc(kdac_client *c)
 {
     uint64_t slot;
@@ -109,15 +124,12 @@ static void test_ring_matches_socket(void **unused)
 {
     (void)unused;
     dh_daemon d;
-    start(&d);
     test_rng r;
-    rng_seed(&r, 31);
     dh_layer l;
-    dh_layer_make(&l, &r);
+    start_with_layer(&d, &r, &l);
     kdac_client *sock = open_client(&d, &l), *ring = open_client(&d, &l);
     kdac_error err;
-    if (kdac_ring_attach(ring, 4096, &err) != KDAC_OK)
-        fail_msg("ring.attach: %s", err.message);
+    attach(ring, 4096);
     assert_int_equal(kdac_ring_attach(ring, 4096, &err), KDAC_E_INVALID_ARGUMENT);
 
     static const uint32_t lens[] = {1, 37, 300, 64, 1, 129};
@@ -406,15 +418,11 @@ static void test_ring_released_on_close(void **unused)
 {
     (void)unused;
     dh_daemon d;
-    start(&d);
     test_rng r;
-    rng_seed(&r, 31);
     dh_layer l;
-    dh_layer_make(&l, &r);
+    start_with_layer(&d, &r, &l);
     kdac_client *c = open_client(&d, &l);
-    kdac_error err;
-    if (kdac_ring_attach(c, 0, &err) != KDAC_OK)
-        fail_msg("ring.attach: %s", err.message);
+    attach(c, 0);
     assert_true(kdad_maps(&d, "kdac-ring"));
     kdac_client_close(c);
     bool gone = false;
@@ -425,7 +433,7 @@ static void test_ring_released_on_close(void **unused)
     }
     assert_true(gone);
     c = open_client(&d, &l);
-    assert_int_equal(kdac_ring_attach(c, 0, &err), KDAC_OK);
+    attach(c, 0);
     uint64_t slot = alloc(c);
     dh_seq s;
     dh_seq_make(&s, &r, 3);
