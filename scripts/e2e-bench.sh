@@ -20,7 +20,7 @@
 # 8-client row with two requests in flight per client; "ring-spin" runs the device-memory
 # rows over the frame ring (kdactl bench --ring) with clients polling for 2 ms after each
 # answer; E2E_ONLY=ring compares it with the socket ("spin-2ms") and with sleeping clients
-# ("ring").  E2E_ONLY=nobatch runs only the batching-off rows,
+# ("ring"); E2E_ONLY=ring64 the same on H = 64.  E2E_ONLY=nobatch runs only the batching-off rows,
 # E2E_ONLY=ipc only the device-memory rows (CUDA IPC and VMM, all variants), E2E_ONLY=ring
 # only the ring comparison, for quick checks.
 set -uo pipefail
@@ -102,11 +102,12 @@ clients_row() {  # clients_row CLIENTS TRANSPORT [WORKLOAD]  ($client_args too)
     --requests $(($1 * 25)) --transport "$2" $client_args
 }
 
-ring_rows() {    # ring_rows VARIANTS...: the frame ring against the socket
-  local v
+ring_rows() {    # ring_rows HEADS VARIANTS...: the frame ring against the socket
+  local heads=$1 v; shift
   for v in "$@"; do
     variant=${v%%:*} client_args=${v#*:}
-    latency_rows 96 cuda-ipc cuda-vmm
+    latency_rows "$heads" cuda-ipc cuda-vmm
+    [ "$heads" = 96 ] || continue
     for t in cuda-ipc cuda-vmm; do clients_row 8 $t; done
     [ "$variant" = ring ] || clients_row 64 cuda-vmm
   done
@@ -118,6 +119,7 @@ if [ -z "$only" ]; then
     start_kdad "$heads" bench/e2e-h200.yaml || exit 1
     ping_row
     latency_rows "$heads" cuda-ipc cuda-vmm shm inline
+    [ "$heads" = 64 ] && ring_rows 64 "ring-spin:--ring --spin 2000"
     if [ "$heads" = 96 ]; then
       for c in 8 64; do
         for t in cuda-ipc cuda-vmm shm; do clients_row $c $t; done
@@ -131,10 +133,11 @@ elif [ "$only" = ipc ]; then
   latency_rows 96 cuda-ipc cuda-vmm
   for t in cuda-ipc cuda-vmm; do clients_row 8 $t; done
   stop_kdad
-elif [ "$only" = ring ]; then
-  start_kdad 96 bench/e2e-h200.yaml || exit 1
+elif [ "$only" = ring ] || [ "$only" = ring64 ]; then
+  heads=96; [ "$only" = ring64 ] && heads=64
+  start_kdad $heads bench/e2e-h200.yaml || exit 1
   ping_row
-  ring_rows "spin-2ms:--spin 2000" "ring-spin:--ring --spin 2000" "ring:--ring"
+  ring_rows $heads "spin-2ms:--spin 2000" "ring-spin:--ring --spin 2000" "ring:--ring"
   stop_kdad
 fi
 
@@ -156,7 +159,7 @@ if [ -z "$only" ] || [ "$only" = ipc ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
   variant=spin client_args="--spin 200"
   latency_rows 96 cuda-ipc cuda-vmm
-  ring_rows "ring-spin:--ring --spin 2000"
+  ring_rows 96 "ring-spin:--ring --spin 2000"
   variant=depth2 client_args=""
   for t in cuda-ipc cuda-vmm; do
     measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients 8 --depth 2 \
