@@ -444,6 +444,52 @@ static void test_ring_released_on_close(void **unused)
     dh_stop(&d);
 }
 
+/* A loop that never polls (batching.spin_us 0): every exchange goes by
+ * doorbells, frames streaming both ways through a 4 KiB ring; then a caller
+ * that polls the ring itself (kdac_client_set_polling) and sleeps again. */
+static void test_ring_doorbells_only(void **unused)
+{
+    (void)unused;
+    dh_daemon d;
+    if (dh_start(&d, "heads: 4\nslots: 16\ncpu_threads: 2\nbatching:\n  spin_us: 0\n") == 77)
+        skip();
+    test_rng r;
+    rng_seed(&r, 7);
+    dh_layer l;
+    dh_layer_make(&l, &r);
+    kdac_client *sock = open_client(&d, &l), *ring = open_client(&d, &l);
+    attach(ring, 4096);
+    uint64_t a = alloc(sock), b = alloc(ring);
+    for (int i = 0; i < 4; i++) {
+        dh_seq s;
+        dh_seq_make(&s, &r, i % 2 ? 200 : 3);
+        uint16_t *x = malloc(DH_TOKEN_BYTES(s.len)), *y = malloc(DH_TOKEN_BYTES(s.len));
+        kdac_seq qa = inline_seq(a, &s, x), qb = inline_seq(b, &s, y);
+        prefill(sock, &qa);
+        if (i < 2) {
+            prefill(ring, &qb);
+        } else { /* the caller polls: no doorbell is rung for the answer */
+            int done = 0;
+            kdac_error err;
+            kdac_client_set_polling(ring, true);
+            assert_int_equal(kdac_prefill_send(ring, "L", &qb, 1, counting_cb, &done, &err),
+                             KDAC_OK);
+            for (long spins = 0; !done && spins < 200000000; spins++)
+                assert_int_equal(kdac_client_progress(ring), KDAC_OK);
+            kdac_client_set_polling(ring, false);
+            assert_int_equal(kdac_client_progress(ring), KDAC_OK);
+            assert_int_equal(done, 1);
+        }
+        assert_memory_equal(x, y, DH_TOKEN_BYTES(s.len));
+        free(x);
+        free(y);
+        dh_seq_free(&s);
+    }
+    kdac_client_close(sock);
+    kdac_client_close(ring);
+    dh_stop(&d);
+}
+
 int main(void)
 {
     if (dh_backend_available(yaml) == 77)
@@ -453,6 +499,7 @@ int main(void)
         cmocka_unit_test_teardown(test_ring_attach_refused, dh_teardown),
         cmocka_unit_test_teardown(test_ring_hostile_client, dh_teardown),
         cmocka_unit_test_teardown(test_ring_released_on_close, dh_teardown),
+        cmocka_unit_test_teardown(test_ring_doorbells_only, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
