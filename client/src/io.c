@@ -2,8 +2,10 @@
  * io.c - moving frames: the send queue (sendmsg of the writers' iovec lists,
  * straight from the callers' tensor memory, with SCM_RIGHTS on the first
  * byte of a frame that passes a descriptor), the receive side (kp_reader,
- * large bodies received in place), dispatch of responses to their requests
- * by id, connection failure, and the wait loop of blocking calls.
+ * large bodies received in place), the same two over a frame ring once
+ * ring.attach succeeded (ring.c; the socket then carries doorbells),
+ * dispatch of responses to their requests by id, connection failure, and
+ * the wait loop of blocking calls.
  *
  * Invariants:
  *   - a request is in the id table from submission to completion, and in the
@@ -523,21 +525,22 @@ static bool ring_drain_socket(kdac_client *c)
             continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
             return true;
+        int why = n < 0 ? errno : 0;
         read_frames(c); /* the goodbye, if the daemon wrote one */
         if (n == 0)
             client_fail(c, KDAC_E_DISCONNECTED, "the daemon closed the connection%s",
                         c->inflight ? " with requests in flight" : "");
         else
             client_fail(c, KDAC_E_DISCONNECTED, "connection to the daemon lost: %s",
-                        strerror(errno));
+                        strerror(why));
         return false;
     }
     return true;
 }
 
-/* A progress call over the ring: move bytes both ways, then (unless a
- * blocking call spins) tell the daemon what to ring for, and look once more
- * in case it made progress meanwhile. */
+/* A progress call over the ring: move bytes both ways, then (unless the
+ * caller polls) tell the daemon what to ring for, and look once more in case
+ * it made progress meanwhile. */
 static void ring_progress(kdac_client *c)
 {
     for (;;) {
