@@ -374,6 +374,7 @@ static void ring_doorbell(kd_conn *c)
 {
     static const uint8_t bell = 0;
     (void)send(c->fd, &bell, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    c->d->stats.ring_doorbells++;
 }
 
 /* Copies queued frames into the ring while they fit; false when the

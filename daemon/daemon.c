@@ -395,8 +395,10 @@ void kd_daemon_gauges(const kd_daemon *d, kd_stats_gauges *g)
     g->slots_used = kd_pool_used(&d->pool);
     g->slots_lost = d->pool.nlost;
     g->layers = d->layers.n;
-    for (const kd_conn *c = d->conns; c; c = c->next)
+    for (const kd_conn *c = d->conns; c; c = c->next) {
         g->regions += c->regions.count;
+        g->rings += c->ring_on && !c->closing;
+    }
     g->queued = d->sched.queued;
     g->running = d->backend->inflight;
 }

@@ -174,6 +174,8 @@ void kd_stats_result(const kd_stats *s, const kd_stats_gauges *g, uint64_t now_n
     r->slots_lost = g->slots_lost;
     r->layers = g->layers;
     r->regions = g->regions;
+    r->rings = g->rings;
+    r->ring_doorbells = s->ring_doorbells;
     for (int c = 1; c < KD_ERROR_SLOTS; c++) {
         if (s->errors[c])
             v->errors[r->nerrors++] = (kp_counter){kp_code_name(-c), s->errors[c]};
@@ -239,6 +241,11 @@ char *kd_stats_prometheus(const kd_stats *s, const kd_stats_gauges *g, uint64_t 
     fprintf(f, "kdad_layers %u\n", r->layers);
     METRIC("regions", "gauge", "Client memory regions registered.");
     fprintf(f, "kdad_regions %u\n", r->regions);
+    METRIC("rings", "gauge", "Connections whose frames use a frame ring.");
+    fprintf(f, "kdad_rings %u\n", r->rings);
+    METRIC("ring_doorbells_total", "counter",
+           "Doorbells rung to frame-ring clients that said they sleep.");
+    fprintf(f, "kdad_ring_doorbells_total %llu\n", (unsigned long long)r->ring_doorbells);
     METRIC("errors_total", "counter", "Errors answered, by code name.");
     for (uint32_t i = 0; i < r->nerrors; i++)
         fprintf(f, "kdad_errors_total{code=\"%s\"} %llu\n", r->errors[i].name,

@@ -96,6 +96,7 @@ typedef struct kd_stats {
     uint64_t batches;
     uint64_t batches_held;     /* held back while the device was busy (hold.h) */
     uint64_t batches_gathered; /* held on an idle device for a fuller last wave (hold.h) */
+    uint64_t ring_doorbells;   /* rung to sleeping frame-ring clients (conn.h) */
     uint64_t seqs;
     uint64_t tokens;
     uint64_t errors[KD_ERROR_SLOTS];   /* by -code */
@@ -117,6 +118,7 @@ typedef struct kd_stats_gauges {
     uint32_t slots_total, slots_used, slots_lost;
     uint32_t layers;
     uint32_t regions;
+    uint32_t rings;    /* connections on a frame ring */
     uint32_t queued;   /* requests waiting for the device */
     uint32_t running;  /* batches on the device */
 } kd_stats_gauges;

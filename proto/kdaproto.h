@@ -574,6 +574,9 @@ typedef struct kp_stats_result {
     uint32_t slots_total, slots_used, slots_lost;
     uint32_t layers;             /* layers registered */
     uint32_t regions;            /* regions registered, all connections */
+    uint32_t rings;              /* connections whose frames use a frame ring now (0 from
+                                    daemons before the field) */
+    uint64_t ring_doorbells;     /* doorbells the daemon rang to sleeping ring clients (likewise) */
     const kp_counter *errors;    /* errors answered, by code name */
     uint32_t nerrors;
     const kp_counter *disconnects; /* connections closed, by reason */

@@ -375,8 +375,8 @@ int kp_health_result_decode(kp_msg *msg, kp_health_result *r, kp_error *err)
 
 static const char *const stats_fields[] = {
     "uptime_us", "connections", "connections_total", "requests", "batches", "batches_held",
-    "batches_gathered", "seqs", "tokens", "latency_us", "pool", "layers", "regions", "errors", "disconnects", "transport_bytes",
-    "prometheus", "batch_us", NULL};
+    "batches_gathered", "seqs", "tokens", "latency_us", "pool", "layers", "regions", "rings",
+    "ring_doorbells", "errors", "disconnects", "transport_bytes", "prometheus", "batch_us", NULL};
 static const char *const batch_fields[] = {"count", "window", "phases", NULL};
 static const char *const phase_fields[] = {"p50", "p90", "p99", "sum", NULL};
 static const char *const latency_fields[] = {"count", "p50", "p90", "p99", "max", "bounds",
@@ -423,7 +423,7 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         if (rc)
             return rc;
     }
-    enc_result(w, id, 16 + (r->prometheus != NULL) + r->has_batch_phases);
+    enc_result(w, id, 18 + (r->prometheus != NULL) + r->has_batch_phases);
     enc_kv_u64(w, "uptime_us", r->uptime_us);
     enc_kv_u64(w, "connections", r->connections);
     enc_kv_u64(w, "connections_total", r->connections_total);
@@ -452,6 +452,8 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
 
     enc_kv_u64(w, "layers", r->layers);
     enc_kv_u64(w, "regions", r->regions);
+    enc_kv_u64(w, "rings", r->rings);
+    enc_kv_u64(w, "ring_doorbells", r->ring_doorbells);
     encode_counters(w, "errors", r->errors, r->nerrors);
     encode_counters(w, "disconnects", r->disconnects, r->ndisconnects);
 
@@ -649,6 +651,9 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
         (rc = dec_u64(&f, "tokens", 0, UINT64_MAX, &r->tokens, NULL, err)) ||
         (rc = dec_u32(&f, "layers", 0, UINT32_MAX, &r->layers, NULL, err)) ||
         (rc = dec_u32(&f, "regions", 0, UINT32_MAX, &r->regions, NULL, err)) ||
+        (rc = dec_u32(&f, "rings", 0, UINT32_MAX, &r->rings, &present, err)) ||
+        (rc = dec_u64(&f, "ring_doorbells", 0, UINT64_MAX, &r->ring_doorbells, &present,
+                      err)) ||
         (rc = dec_map(&f, "latency_us", &latency, NULL, err)) ||
         (rc = dec_map(&f, "pool", &pool, NULL, err)) ||
         (rc = dec_map(&f, "errors", &errors, NULL, err)) ||

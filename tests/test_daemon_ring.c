@@ -101,6 +101,15 @@ static void prefill(kdac_client *c, const kdac_seq *q)
         fail_msg("prefill: %s", err.message);
 }
 
+static kdac_stats_info *stats(kdac_client *c)
+{
+    static kdac_stats_info info;
+    kdac_error err;
+    if (kdac_stats(c, &info, &err) != KDAC_OK)
+        fail_msg("stats: %s", err.message);
+    return &info;
+}
+
 static void read_state(kdac_client *c, uint64_t slot, float *state)
 {
     kdac_error err;
@@ -458,8 +467,11 @@ static void test_ring_doorbells_only(void **unused)
     dh_layer l;
     dh_layer_make(&l, &r);
     kdac_client *sock = open_client(&d, &l), *ring = open_client(&d, &l);
+    assert_int_equal(stats(sock)->rings, 0);
     attach(ring, 4096);
+    assert_int_equal(stats(sock)->rings, 1);
     uint64_t a = alloc(sock), b = alloc(ring);
+    uint64_t rung = 0;
     for (int i = 0; i < 4; i++) {
         dh_seq s;
         dh_seq_make(&s, &r, i % 2 ? 200 : 3);
@@ -471,6 +483,7 @@ static void test_ring_doorbells_only(void **unused)
         } else { /* the caller polls: no doorbell is rung for the answer */
             int done = 0;
             kdac_error err;
+            rung = stats(sock)->ring_doorbells;
             kdac_client_set_polling(ring, true);
             assert_int_equal(kdac_prefill_send(ring, "L", &qb, 1, counting_cb, &done, &err),
                              KDAC_OK);
@@ -479,14 +492,22 @@ static void test_ring_doorbells_only(void **unused)
             kdac_client_set_polling(ring, false);
             assert_int_equal(kdac_client_progress(ring), KDAC_OK);
             assert_int_equal(done, 1);
+            /* a small answer to a polling client: nothing rung (a long one may
+             * still ring for room to write) */
+            if (s.len == 3)
+                assert_int_equal(stats(sock)->ring_doorbells, rung);
         }
         assert_memory_equal(x, y, DH_TOKEN_BYTES(s.len));
         free(x);
         free(y);
         dh_seq_free(&s);
     }
-    kdac_client_close(sock);
+    assert_true(rung > 0); /* the sleeping client's answers were rung */
     kdac_client_close(ring);
+    for (int i = 0; i < 500 && stats(sock)->rings != 0; i++)
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    assert_int_equal(stats(sock)->rings, 0);
+    kdac_client_close(sock);
     dh_stop(&d);
 }
 

@@ -173,7 +173,7 @@ static void test_health_stats_round_trip(void **state)
         .latency_p90_us = 900, .latency_p99_us = 9000, .latency_max_us = 20000,
         .latency_bounds_us = bounds, .latency_counts = counts, .latency_nbounds = 4,
         .slots_total = 64, .slots_used = 10, .slots_lost = 1, .layers = 2, .regions = 3,
-        .errors = errors, .nerrors = 2, .disconnects = disconnects, .ndisconnects = 1,
+        .rings = 4, .ring_doorbells = 99, .errors = errors, .nerrors = 2, .disconnects = disconnects, .ndisconnects = 1,
         .bytes_in = {100, 200, 300}, .bytes_out = {400, 500, 600},
     };
     ENC(kp_stats_result_encode(&test_writer, 6, &s, &enc_err_));
@@ -202,6 +202,8 @@ static void test_health_stats_round_trip(void **state)
     assert_int_equal(g.slots_lost, 1);
     assert_int_equal(g.layers, 2);
     assert_int_equal(g.regions, 3);
+    assert_int_equal(g.rings, 4);
+    assert_int_equal(g.ring_doorbells, 99);
     assert_int_equal(g.nerrors, 2);
     assert_string_equal(g.errors[1].name, "POOL_FULL");
     assert_int_equal(g.errors[1].value, 1);
@@ -215,17 +217,21 @@ static void test_health_stats_round_trip(void **state)
     assert_int_equal(g.nphases, 0);
     wire_close(&x);
 
-    /* A daemon from before the held / gathered counters */
+    /* A daemon from before the held / gathered counters and the rings */
     ENC(kp_stats_result_encode(&test_writer, 6, &s, &enc_err_));
     edit e;
     edit_begin(&e);
     edit_del(e.map, "batches_held");
     edit_del(e.map, "batches_gathered");
+    edit_del(e.map, "rings");
+    edit_del(e.map, "ring_doorbells");
     edit_repack(&e);
     DEC(kp_stats_result_decode(&e.msg, &g, &dec_err_));
     assert_int_equal(g.batches, 5);
     assert_int_equal(g.batches_held, 0);
     assert_int_equal(g.batches_gathered, 0);
+    assert_int_equal(g.rings, 0);
+    assert_int_equal(g.ring_doorbells, 0);
     edit_end(&e);
 
     /* The per-batch phase breakdown. */

@@ -62,17 +62,20 @@ static void test_counters_and_prometheus(void **unused)
     s.bytes_in[KP_TRANSPORT_ID_SHM] = 1234;
     s.batches_held = 3;
     s.batches_gathered = 2;
+    s.ring_doorbells = 17;
     kd_stats_latency(&s, 30);
     kd_stats_latency(&s, 70);
     assert_string_equal(kd_disconnect_name(KD_DISC_OUTPUT_LIMIT), "output_limit");
 
     kd_stats_gauges g = {.slots_total = 8, .slots_used = 3, .slots_lost = 1, .layers = 2,
-                         .queued = 5, .running = 1};
+                         .rings = 1, .queued = 5, .running = 1};
     kd_stats_view v;
     kp_stats_result r;
     kd_stats_result(&s, &g, 0, &v, &r);
     assert_int_equal(r.batches_held, 3);
     assert_int_equal(r.batches_gathered, 2);
+    assert_int_equal(r.rings, 1);
+    assert_int_equal(r.ring_doorbells, 17);
     assert_int_equal(r.nerrors, 2);
     assert_string_equal(r.errors[0].name, "INVALID_PARAMS");
     assert_int_equal(r.errors[0].value, 2);
@@ -93,6 +96,8 @@ static void test_counters_and_prometheus(void **unused)
     has(text, "kdad_queued_requests 5\n");
     has(text, "# TYPE kdad_batches_held_total counter\nkdad_batches_held_total 3\n");
     has(text, "# TYPE kdad_batches_gathered_total counter\nkdad_batches_gathered_total 2\n");
+    has(text, "# TYPE kdad_rings gauge\nkdad_rings 1\n");
+    has(text, "# TYPE kdad_ring_doorbells_total counter\nkdad_ring_doorbells_total 17\n");
     has(text, "kdad_transport_bytes_total{transport=\"shm\",direction=\"in\"} 1234\n");
     /* cumulative buckets: 30 us is <= 5e-05 s, 70 us <= 0.0001 s */
     has(text, "kdad_prefill_latency_seconds_bucket{le=\"2e-05\"} 0\n");

@@ -611,6 +611,8 @@ typedef struct kdac_stats_info {
     uint64_t latency_counts[KDAC_HIST_MAX_BUCKETS + 1];   /* nbounds + 1 (last: above all) */
     uint32_t slots_total, slots_used, slots_lost;
     uint32_t layers, regions;
+    uint32_t rings;                                       /* connections on a frame ring now */
+    uint64_t ring_doorbells;                              /* rung to ring clients that slept */
     uint32_t nerrors;                                     /* errors answered, by name */
     kdac_counter errors[KDAC_STATS_MAX_COUNTERS];
     uint32_t ndisconnects;                                /* connections closed, by reason */

@@ -278,6 +278,8 @@ static void stats_json(const kdac_stats_info *s)
     json_object_object_add(o, "pool", pool);
     json_object_object_add(o, "layers", json_u64(s->layers));
     json_object_object_add(o, "regions", json_u64(s->regions));
+    json_object_object_add(o, "rings", json_u64(s->rings));
+    json_object_object_add(o, "ring_doorbells", json_u64(s->ring_doorbells));
     json_object_object_add(o, "errors", counters_json(s->errors, s->nerrors));
     json_object_object_add(o, "disconnects", counters_json(s->disconnects, s->ndisconnects));
     json_object *tb = json_object_new_object();
@@ -333,6 +335,8 @@ static void stats_text(const kdac_stats_info *s)
     printf("  pool        %u slots, %u used, %u lost\n", s->slots_total, s->slots_used,
            s->slots_lost);
     printf("  registry    %u layers, %u regions\n", s->layers, s->regions);
+    printf("  rings       %u connections on a frame ring, %llu doorbells rung\n", s->rings,
+           (unsigned long long)s->ring_doorbells);
     print_counters("errors", s->errors, s->nerrors);
     print_counters("disconnects", s->disconnects, s->ndisconnects);
     static const char *const names[] = {"inline", "shm", "cuda_ipc"};

@@ -649,6 +649,8 @@ static int stats_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *re
     s->slots_lost = r.slots_lost;
     s->layers = r.layers;
     s->regions = r.regions;
+    s->rings = r.rings;
+    s->ring_doorbells = r.ring_doorbells;
     s->nerrors = copy_counters(s->errors, r.errors, r.nerrors);
     s->ndisconnects = copy_counters(s->disconnects, r.disconnects, r.ndisconnects);
     memcpy(s->bytes_in, r.bytes_in, sizeof(s->bytes_in));
