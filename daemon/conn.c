@@ -249,6 +249,7 @@ static void on_closed(uv_handle_t *h)
     c->d->stats.connections--;
     if (c->ring_region)
         kd_region_unref(c->ring_region);
+    c->d->nrings -= c->ring_on;
     c->ring_region = NULL;
     c->ring_on = false;
     kd_conn_unref(c);
@@ -427,6 +428,7 @@ static void ring_flush(kd_conn *c)
 static void ring_start(kd_conn *c)
 {
     c->ring_on = true;
+    c->d->nrings++;
     kd_conn_ring_sleep(c, !kd_daemon_awake(c->d));
     update_events(c);
 }

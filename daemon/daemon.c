@@ -271,6 +271,8 @@ static void on_device_idle(void *ctx)
  */
 static void poll_rings(kd_daemon *d)
 {
+    if (d->nrings == 0)
+        return;
     for (kd_conn *c = d->conns, *next; c; c = next) {
         kd_conn_ref(c);
         kd_conn_ring_poll(c);
@@ -282,6 +284,8 @@ static void poll_rings(kd_daemon *d)
 /* Publishes every ring's wants; false (and awake again) if one has work. */
 static bool rings_sleep(kd_daemon *d)
 {
+    if (d->nrings == 0)
+        return true;
     bool quiet = true;
     for (kd_conn *c = d->conns; c; c = c->next)
         quiet = kd_conn_ring_sleep(c, true) && quiet;
@@ -312,7 +316,7 @@ void kd_daemon_stay_awake(kd_daemon *d)
     d->spin_until_ns = uv_hrtime() + (uint64_t)d->cfg.spin_us * 1000u;
     if (kd_daemon_awake(d))
         return;
-    for (kd_conn *c = d->conns; c; c = c->next)
+    for (kd_conn *c = d->conns; c && d->nrings; c = c->next)
         kd_conn_ring_sleep(c, false);
     uv_idle_start(&d->spin, on_spin);
 }

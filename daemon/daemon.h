@@ -65,6 +65,7 @@ struct kd_daemon {
 
     kd_conn *conns;            /* open and closing connections */
     uint32_t nconns;           /* open (not closing) */
+    uint32_t nrings;           /* connections on a frame ring (closing ones too), polled by spin */
     uint64_t next_serial;
     kd_conn *input_head;       /* connections with buffered input to process */
     uv_idle_t input_idle;
