@@ -155,6 +155,13 @@ void enc_key(kp_writer *w, const char *key)
 void enc_str(kp_writer *w, const char *s)
 {
     size_t n = strlen(s);
+    if (n < 32) { /* a fixstr, header and body in one piece (keys, names) */
+        char fix[32];
+        fix[0] = (char)(0xa0 | n);
+        memcpy(fix + 1, s, n);
+        writer_copy(w, fix, n + 1);
+        return;
+    }
     msgpack_pack_str(&w->pk, n);
     msgpack_pack_str_body(&w->pk, s, n);
 }
