@@ -694,9 +694,11 @@ static void read_some(kd_conn *c)
         else if (rc < 0)
             protocol_close(c, &e);
     }
-    if (c->ring_on && !c->closing && c->ring.tail != ring_tail &&
-        kp_ring_peer_wants(&c->ring, KP_RING_WANT_SPACE))
-        ring_doorbell(c);
+    if (c->ring_on && !c->closing && c->ring.tail != ring_tail) {
+        kd_daemon_stay_awake(c->d); /* a ring client at work: keep polling its ring */
+        if (kp_ring_peer_wants(&c->ring, KP_RING_WANT_SPACE))
+            ring_doorbell(c);
+    }
     kd_conn_update(c);
     kd_conn_unref(c);
 }

@@ -11,8 +11,9 @@
 #
 #   scripts/e2e-bench.sh BIN_DIR      (BIN_DIR holds kdad and kdactl)
 #
-# A "socket round trip" line (kdactl --json ping of 2000 health requests) comes
-# first for each kdad: the floor under any request's latency on this host.
+# A "socket round trip" and a "ring round trip" line (kdactl --json ping of 2000
+# health requests, the second over a frame ring with a polling client) come first
+# for each kdad: the floors under any request's latency on this host.
 # Variants: "poll" is bench/e2e-h200.yaml as it is (cuda_completion: poll, the
 # default); "block" repeats the CUDA IPC latency rows and the 8-client row with
 # cuda_completion: block; "spin" repeats them with clients that poll their
@@ -76,13 +77,16 @@ measure() {      # measure WORKLOAD KDACTL_BENCH_ARGS...: one JSON line
     "$name" "$variant" "$summary" "$json" "${before:-null}" "${after:-null}" >>"$out/e2e.jsonl"
 }
 
-ping_row() {     # the socket round trip of a health request: the floor under every request's latency
-  local json
-  json=$("$bin/kdactl" --socket "$sock" --json ping --count 2000 2>>"$out/kdactl.err" | tr -d '\n')
-  [ -n "$json" ] || return 0
-  echo "socket round trip (kdactl ping) | p50 $(field "$json" rtt_us_p50) us, p99 $(field "$json" rtt_us_p99) us" |
-    tee -a "$out/e2e-summary.txt"
-  printf '{"workload": "socket round trip", "variant": "%s", "ping": %s}\n' "$variant" "$json" >>"$out/e2e.jsonl"
+ping_row() {     # the round trip of a health request: the floor under every request's latency
+  local json name args
+  for name in socket ring; do
+    args=""; [ $name = ring ] && args="--ring --spin 2000"
+    json=$("$bin/kdactl" --socket "$sock" --json ping --count 2000 $args 2>>"$out/kdactl.err" | tr -d '\n')
+    [ -n "$json" ] || continue
+    echo "$name round trip (kdactl ping $args) | p50 $(field "$json" rtt_us_p50) us, p99 $(field "$json" rtt_us_p99) us" |
+      tee -a "$out/e2e-summary.txt"
+    printf '{"workload": "%s round trip", "variant": "%s", "ping": %s}\n' "$name" "$variant" "$json" >>"$out/e2e.jsonl"
+  done
 }
 
 latency_rows() { # latency_rows HEADS TRANSPORTS...  ($client_args go to every kdactl bench)

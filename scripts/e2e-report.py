@@ -25,7 +25,8 @@ Every row also carries where the daemon's time went:
                                            (clients poll 2 ms after each answer), "ring-spin"
                                            (the same over a frame ring), "ring" (a frame
                                            ring, clients sleeping)
-A "socket round trip" line (kdactl ping) gives the host's floor for any request.
+A "socket round trip" line (kdactl ping) gives the host's floor for any request over the
+socket, a "ring round trip" line (kdactl ping --ring --spin 2000) the floor over a frame ring.
 The second table splits each latency row's overhead over the bare kernel into
   client (e2e - run - queue: socket, client, admission),
   queue (arrival to launch: formation, staging), run - device (launch and the
@@ -126,9 +127,14 @@ print()
 print("Where the overhead goes (latency rows, medians per request in us; kernel = the graph in kdad):")
 print()
 for p in pings:
-    print(f"Socket round trip of a health request on this host (kdactl ping, {p['count']} in a row): "
-          f"p50 {p['rtt_us_p50']:.0f} us, p99 {p['rtt_us_p99']:.0f} us; it is part of every "
-          "request's client time.")
+    if p.get("ring"):
+        print(f"Frame ring round trip of a health request, client polling (kdactl ping --ring "
+              f"--spin {p.get('spin_us', 0)}, {p['count']} in a row): p50 {p['rtt_us_p50']:.0f} us, "
+              f"p99 {p['rtt_us_p99']:.0f} us.")
+    else:
+        print(f"Socket round trip of a health request on this host (kdactl ping, {p['count']} in a "
+              f"row): p50 {p['rtt_us_p50']:.0f} us, p99 {p['rtt_us_p99']:.0f} us; it is part of "
+              "every socket request's client time.")
     print()
 print("| workload | transport | e2e - bare kernel | client | queue | run - device | device - kernel "
       "| kernel - bare kernel |")

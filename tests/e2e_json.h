@@ -66,6 +66,14 @@ static inline double jdouble(json_object *o, const char *path)
     return json_object_get_double(jget(o, path));
 }
 
+static inline bool jbool(json_object *o, const char *path)
+{
+    json_object *v = jget(o, path);
+    if (!json_object_is_type(v, json_type_boolean))
+        fail_msg("%s is not a boolean", path);
+    return json_object_get_boolean(v);
+}
+
 static inline const char *jstr(json_object *o, const char *path)
 {
     return json_object_get_string(jget(o, path));

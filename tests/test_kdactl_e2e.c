@@ -95,6 +95,20 @@ static void test_hello_ping_health_stats(void **state)
     assert_true(lo > 0 && lo <= p50 && p50 <= p99 && p99 <= hi);
     json_object_put(o);
     cmd_free(&r);
+    /* the same over a frame ring, the client polling */
+    r = kdactl(S, "--json", "ping", "--count", "50", "--ring", "--spin", "2000", NULL);
+    expect_exit(&r, 0);
+    o = json_out(&r);
+    assert_int_equal(jint(o, "count"), 50);
+    assert_true(jbool(o, "ring"));
+    assert_int_equal(jint(o, "spin_us"), 2000);
+    assert_true(jdouble(o, "rtt_us_min") > 0);
+    json_object_put(o);
+    cmd_free(&r);
+    r = kdactl(S, "ping", "--count", "2", "--ring", NULL);
+    expect_exit(&r, 0);
+    expect_text(r.out, "2 pings over a frame ring: min");
+    cmd_free(&r);
 
     r = kdactl(S, "--json", "health", NULL);
     expect_exit(&r, 0);

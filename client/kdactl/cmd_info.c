@@ -9,23 +9,15 @@
 
 #include "common.h"
 
-/* Parses only --help (and, for ping, --count); returns -1 to go on. */
-static int simple_options(const char *cmd, const char *help, int argc, char **argv,
-                          uint64_t *count)
+/* Parses only --help; returns -1 to go on. */
+static int simple_options(const char *cmd, const char *help, int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"help", no_argument, NULL, 'h'}, {"count", required_argument, NULL, 'c'},
-        {NULL, 0, NULL, 0}};
+    static const struct option opts[] = {{"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0}};
     int o;
-    while ((o = getopt_long(argc, argv, count ? "hc:" : "h", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         if (o == 'h') {
             fputs(help, stdout);
             return EXIT_OK;
-        }
-        if (o == 'c' && count) {
-            if (!parse_u64(optarg, 1, 1000000, count))
-                return ctl_usage(cmd, "--count: '%s' is not in [1, 1000000]", optarg);
-            continue;
         }
         return ctl_usage(cmd, "unknown option");
     }
@@ -135,7 +127,7 @@ int cmd_hello(ctl *g, int argc, char **argv)
                             "Usage: kdactl hello\n"
                             "Connects, runs the protocol handshake and prints what the daemon\n"
                             "announced: server, backend, GPU, heads, slots, transports, limits.\n",
-                            argc, argv, NULL);
+                            argc, argv);
     if (rc >= 0)
         return rc;
     kdac_client *c;
@@ -149,14 +141,52 @@ int cmd_hello(ctl *g, int argc, char **argv)
     return EXIT_OK;
 }
 
+static const char ping_help[] =
+    "Usage: kdactl ping [--count N] [--spin US] [--ring]\n"
+    "Connects and times N health round trips (default 1): each one up to\n"
+    "10, then min, p50, mean, p99 and max.\n"
+    "  -c, --count N   round trips (1..1000000)\n"
+    "  -P, --spin US   wait for each answer without sleeping for up to US microseconds\n"
+    "                  (kdac_client_set_spin; default 0)\n"
+    "  -r, --ring      through a frame ring instead of the socket (kdac_ring_attach)\n";
+
+static int parse_ping(int argc, char **argv, uint64_t *count, uint64_t *spin_us, bool *ring)
+{
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'}, {"count", required_argument, NULL, 'c'},
+        {"spin", required_argument, NULL, 'P'}, {"ring", no_argument, NULL, 'r'},
+        {NULL, 0, NULL, 0}};
+    int o;
+    while ((o = getopt_long(argc, argv, "hc:P:r", opts, NULL)) != -1) {
+        switch (o) {
+        case 'h':
+            fputs(ping_help, stdout);
+            return EXIT_OK;
+        case 'c':
+            if (!parse_u64(optarg, 1, 1000000, count))
+                return ctl_usage("ping", "--count: '%s' is not in [1, 1000000]", optarg);
+            break;
+        case 'P':
+            if (!parse_u64(optarg, 0, 1000000, spin_us))
+                return ctl_usage("ping", "--spin: '%s' is not in [0, 1000000]", optarg);
+            break;
+        case 'r':
+            *ring = true;
+            break;
+        default:
+            return ctl_usage("ping", "unknown option");
+        }
+    }
+    if (optind < argc)
+        return ctl_usage("ping", "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
 int cmd_ping(ctl *g, int argc, char **argv)
 {
-    uint64_t count = 1;
-    int rc = simple_options("ping",
-                            "Usage: kdactl ping [--count N]\n"
-                            "Connects and times N health round trips (default 1): each one up to\n"
-                            "10, then min, p50, mean, p99 and max.\n",
-                            argc, argv, &count);
+    uint64_t count = 1, spin_us = 0;
+    bool ring = false;
+    int rc = parse_ping(argc, argv, &count, &spin_us, &ring);
     if (rc >= 0)
         return rc;
     double *rtt = malloc(count * sizeof(double));
@@ -170,6 +200,12 @@ int cmd_ping(ctl *g, int argc, char **argv)
     double sum = 0;
     kdac_health_info h;
     kdac_error err;
+    if ((ring && kdac_ring_attach(c, 0, &err)) ||
+        kdac_client_set_spin(c, (int)spin_us, &err)) {
+        kdac_client_close(c);
+        free(rtt);
+        return ctl_fail(g, "ping", &err);
+    }
     for (uint64_t i = 0; i < count; i++) {
         double t0 = now_s();
         if (kdac_health(c, &h, &err) != KDAC_OK) {
@@ -191,6 +227,8 @@ int cmd_ping(ctl *g, int argc, char **argv)
         json_object_object_add(o, "server", json_object_new_string(kdac_client_info(c)->server));
         json_object_object_add(o, "status", json_object_new_string(h.draining ? "draining" : "ok"));
         json_object_object_add(o, "count", json_u64(count));
+        json_object_object_add(o, "ring", json_object_new_boolean(ring));
+        json_object_object_add(o, "spin_us", json_u64(spin_us));
         json_object_object_add(o, "rtt_us_min", json_object_new_double(rtt[0]));
         json_object_object_add(o, "rtt_us_avg", json_object_new_double(sum / count));
         json_object_object_add(o, "rtt_us_p50", json_object_new_double(p50));
@@ -198,8 +236,9 @@ int cmd_ping(ctl *g, int argc, char **argv)
         json_object_object_add(o, "rtt_us_max", json_object_new_double(rtt[count - 1]));
         ctl_print_json(o);
     } else if (count > 1) {
-        printf("%llu pings: min %.0f us, p50 %.0f us, avg %.0f us, p99 %.0f us, max %.0f us\n",
-               (unsigned long long)count, rtt[0], p50, sum / count, p99, rtt[count - 1]);
+        printf("%llu pings%s: min %.0f us, p50 %.0f us, avg %.0f us, p99 %.0f us, max %.0f us\n",
+               (unsigned long long)count, ring ? " over a frame ring" : "", rtt[0], p50,
+               sum / count, p99, rtt[count - 1]);
     }
     kdac_client_close(c);
     free(rtt);
@@ -211,7 +250,7 @@ int cmd_health(ctl *g, int argc, char **argv)
     int rc = simple_options("health",
                             "Usage: kdactl health\n"
                             "Prints ok or draining, uptime, requests queued and batches running.\n",
-                            argc, argv, NULL);
+                            argc, argv);
     if (rc >= 0)
         return rc;
     kdac_client *c;
