@@ -388,6 +388,19 @@ static void test_bench(void **state)
     expect_text(r.out, "0 failed");
     expect_text(r.out, "latency    p50");
     cmd_free(&r);
+    /* Over frame rings: clients polling between answers, then sleeping on doorbells. */
+    const char *spin[] = {"2000", "0"};
+    for (int i = 0; i < 2; i++) {
+        r = kdactl(S, "--json", "bench", "--requests", "40", "--clients", "3", "--depth", "2",
+                   "--tokens", "16", "--transport", "shm", "--ring", "--spin", spin[i], NULL);
+        expect_exit(&r, 0);
+        o = json_out(&r);
+        assert_int_equal(jint(o, "requests"), 40);
+        assert_int_equal(jint(o, "errors"), 0);
+        assert_true(jbool(o, "ring"));
+        json_object_put(o);
+        cmd_free(&r);
+    }
     r = kdactl(S, "bench", "--transport", "cuda-ipc", "--requests", "1", NULL);
     expect_exit(&r, 6);
     expect_text(r.err, "not supported");
