@@ -67,6 +67,14 @@ kd_out *kd_req_frame(kd_req *r)
     return o;
 }
 
+void kd_req_reply_empty(kd_req *r)
+{
+    kp_error e;
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+}
+
 void kd_req_reply(kd_req *r, kd_out *o, int encode_rc, const kp_error *encode_err)
 {
     if (encode_rc != KP_OK) {
@@ -291,9 +299,7 @@ static void do_layer_drop(kd_req *r)
         return;
     }
     KD_INFO("layer %s: dropped by uid %u", p.name, (unsigned)c->peer.uid);
-    kd_out *o = kd_req_frame(r);
-    if (o)
-        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+    kd_req_reply_empty(r);
 }
 
 static void do_slot_alloc(kd_req *r)
@@ -451,11 +457,8 @@ static void do_region_register_cuda(kd_req *r)
 static void region_gone(void *arg)
 {
     kd_req *r = arg;
-    kp_error e;
     r->releasing = NULL;
-    kd_out *o = kd_req_frame(r);
-    if (o)
-        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+    kd_req_reply_empty(r);
 }
 
 static void do_region_release(kd_req *r)
@@ -506,9 +509,7 @@ static void do_ring_attach(kd_req *r)
     }
     KD_DEBUG("conn %llu: frames move to a ring of 2 x %llu bytes in region %u",
              (unsigned long long)c->serial, (unsigned long long)p.size, reg->id);
-    kd_out *o = kd_req_frame(r);
-    if (o)
-        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+    kd_req_reply_empty(r);
 }
 
 /* ---------------------------------------------------------------------- */

@@ -50,6 +50,8 @@ kd_out *kd_req_frame(kd_req *r);
  * for, as r's response, and frees r.  An encoding failure (a daemon bug)
  * answers INTERNAL instead. */
 void kd_req_reply(kd_req *r, kd_out *o, int encode_rc, const kp_error *encode_err);
+/* Answers r with the empty result {} and frees r. */
+void kd_req_reply_empty(kd_req *r);
 /* Sends e as r's error response and frees r; closes the connection after a
  * goodbye when e's code says so. */
 void kd_req_fail(kd_req *r, const kp_error *e);

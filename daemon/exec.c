@@ -17,7 +17,6 @@
 #include "defaults.h"
 #include "log.h"
 
-#define FIELD_MAX 48 /* "seqs[4095].beta" and the like, in messages */
 
 struct kd_exec {
     kd_layer *layer;          /* prefill: the layer it admitted */
@@ -76,9 +75,9 @@ typedef struct field_at {
 #define FIELD(name) ((field_at){NULL, 0, (name)})
 #define SEQ_FIELD(i, member) ((field_at){"seqs", (i), (member)})
 
-static const char *field_text(field_at f, char buf[FIELD_MAX])
+static const char *field_text(field_at f, char buf[KP_FIELD_NAME_MAX])
 {
-    return f.array ? kp_field_name(buf, FIELD_MAX, f.array, f.index, f.member) : f.member;
+    return f.array ? kp_field_name(buf, KP_FIELD_NAME_MAX, f.array, f.index, f.member) : f.member;
 }
 
 static int resolve(kd_req *r, uint64_t handle, field_at f, uint32_t *index, kp_error *e)
@@ -87,7 +86,7 @@ static int resolve(kd_req *r, uint64_t handle, field_at f, uint32_t *index, kp_e
     uint64_t owner = kd_conn_owner(r->conn);
     if (kd_pool_resolve(pool, handle, owner, NULL, index, NULL) == KP_OK)
         return KP_OK;
-    char buf[FIELD_MAX];
+    char buf[KP_FIELD_NAME_MAX];
     return kd_pool_resolve(pool, handle, owner, field_text(f, buf), index, e);
 }
 
@@ -109,7 +108,7 @@ static int use_ref(kd_req *r, const kp_ref *ref, field_at f, bool output, kd_buf
     }
     kd_region *reg = kd_region_find(&r->conn->regions, ref->region);
     if (!reg || kp_ref_check_bounds(ref, reg->size, NULL, NULL) != KP_OK) {
-        char buf[FIELD_MAX];
+        char buf[KP_FIELD_NAME_MAX];
         const char *field = field_text(f, buf);
         if (!reg)
             return kp_fail(e, KP_E_REGION_INVALID, "%s: region %u is not registered on this "
@@ -395,11 +394,8 @@ static void fail(kd_req *r, const kp_error *e)
 
 static void reply_empty(kd_req *r)
 {
-    kp_error e;
     job_done(r);
-    kd_out *o = kd_req_frame(r);
-    if (o)
-        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
+    kd_req_reply_empty(r);
 }
 
 static void add_stats(kd_req *r)
@@ -446,7 +442,7 @@ static kd_prepare prepare_prefill(kd_req *r, kd_run *run)
         const kp_prefill_seq *q = &p->seqs[i];
         const kd_slot *s = kd_pool_slot(&d->pool, x->slots[i]);
         if (!q->fresh && kd_pool_check_ready(&d->pool, x->slots[i], NULL, NULL) != KP_OK) {
-            char field[FIELD_MAX];
+            char field[KP_FIELD_NAME_MAX];
             kd_pool_check_ready(&d->pool, x->slots[i], field_text(SEQ_FIELD(i, "slot"), field),
                                 &e);
             fail(r, &e);

@@ -287,8 +287,9 @@ size_t kp_strlcpy(char *dst, const char *src, size_t size);
 
 /* Writes the field name "array[index]", or "array[index].member" when member
  * is not NULL, into buf of size bytes (truncated); returns buf.  Errors name
- * the field they refuse; this builds the name without printf, cheaply enough
- * to do for every field of every request. */
+ * the field they refuse; this builds the name without printf.
+ * KP_FIELD_NAME_MAX holds any of the protocol's ("seqs[4095].beta"). */
+#define KP_FIELD_NAME_MAX 48
 const char *kp_field_name(char *buf, size_t size, const char *array, uint32_t index,
                           const char *member);
 

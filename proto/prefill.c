@@ -325,7 +325,7 @@ int kp_prefill_check_regions(const kp_prefill_params *p, kp_region_size_fn regio
                 continue;
             uint64_t size;
             bool known = region_size(ctx, r->region, &size) == KP_OK;
-            if (known && r->offset <= size && r->nbytes <= size - r->offset)
+            if (known && kp_ref_check_bounds(r, size, NULL, NULL) == KP_OK)
                 continue; /* the field's name is only formatted for an error */
             char field[DEC_PATH_MAX];
             kp_field_name(field, sizeof(field), "seqs", i, kp_prefill_tensor_name(t));

@@ -74,17 +74,16 @@ static int check_dtype(kdac_dtype dtype, kdac_error *err)
 /* Tensor fields are named in errors only: seqs[seq].name, or name alone for
  * a field of the params (seq TOP_FIELD). */
 #define TOP_FIELD UINT32_MAX
-#define FIELD_NAME_MAX 48
 
-static const char *field_name(char buf[FIELD_NAME_MAX], uint32_t seq, const char *name)
+static const char *field_name(char buf[KP_FIELD_NAME_MAX], uint32_t seq, const char *name)
 {
-    return seq == TOP_FIELD ? name : kp_field_name(buf, FIELD_NAME_MAX, "seqs", seq, name);
+    return seq == TOP_FIELD ? name : kp_field_name(buf, KP_FIELD_NAME_MAX, "seqs", seq, name);
 }
 
 static int input_ref(const kdac_tensor *t, uint64_t nbytes, uint32_t seq, const char *name,
                      kp_ref *ref, kdac_error *err)
 {
-    char buf[FIELD_NAME_MAX];
+    char buf[KP_FIELD_NAME_MAX];
     if (t->region) {
         if (t->offset % KDAC_TENSOR_ALIGN)
             return kdac_fail(err, KDAC_E_INVALID_PARAMS, "%s: offset %llu is not a multiple "
@@ -104,7 +103,7 @@ static int input_ref(const kdac_tensor *t, uint64_t nbytes, uint32_t seq, const 
 static int output_ref(const kdac_output *o, uint64_t nbytes, uint32_t seq, const char *name,
                       kp_ref *ref, kdac_error *err)
 {
-    char buf[FIELD_NAME_MAX];
+    char buf[KP_FIELD_NAME_MAX];
     memset(ref, 0, sizeof(*ref));
     if (!o->region)
         return KDAC_OK;
@@ -932,4 +931,61 @@ int kdac_region_release(kdac_client *c, uint32_t region, kdac_error *err)
     if ((rc = finish(c, p, kp_region_release_params_encode(&p->w, p->id, &params, &e), &e, err)))
         return rc;
     return sync_wait(c, &s, err);
+}
+
+/* ---------------------------------------------------------------------- */
+/* ring.attach                                                            */
+/* ---------------------------------------------------------------------- */
+
+static int ring_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res, kp_error *err)
+{
+    int rc = kp_empty_result_decode(msg, err);
+    if (rc == KP_OK)
+        client_ring_start(c); /* before the reader looks at the next socket byte */
+    return rc;
+}
+
+/* The frame ring (PROTOCOL.md §Frame ring): a memfd registered as a region
+ * and named by ring.attach; io.c moves the bytes once the answer is in. */
+int kdac_ring_attach(kdac_client *c, uint64_t bytes_per_direction, kdac_error *err)
+{
+    sync_call s;
+    int rc = sync_begin(c, &s, err);
+    if (rc)
+        return rc;
+    if (c->ring_shm.base)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "this connection has a frame ring already");
+    if (c->inflight > 0)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "%u requests are in flight; attach the "
+                         "ring before sending any", c->inflight);
+    uint64_t size = bytes_per_direction ? bytes_per_direction : KP_RING_DEFAULT_SIZE;
+    kp_error e;
+    if (kp_ring_check_size(size, UINT64_MAX, &e) != KP_OK)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "bytes_per_direction: %s", e.message);
+
+    kdac_shm shm;
+    uint32_t region;
+    if ((rc = kdac_shm_create(&shm, KP_RING_HEADER_BYTES + 2 * size, "kdac-ring", err)))
+        return rc;
+    if ((rc = kdac_region_register_shm(c, shm.fd, shm.size, &region, err))) {
+        kdac_shm_close(&shm);
+        return rc;
+    }
+    c->ring_shm = shm;
+    kp_ring_init(&c->ring, shm.base, size, false, KP_RING_WANT_DATA);
+    pending *p = start(c, KP_METHOD_RING_ATTACH, sync_cb, &s, ring_decode, err);
+    kp_ring_attach_params params = {region, size};
+    if (!p)
+        rc = err ? err->code : KDAC_E_NO_MEMORY;
+    else if (!(rc = finish(c, p, kp_ring_attach_params_encode(&p->w, p->id, &params, &e), &e,
+                           err)) &&
+             (rc = sync_wait(c, &s, err)) == KDAC_OK)
+        return KDAC_OK;
+    if (rc == KDAC_E_UNKNOWN_METHOD)
+        rc = kdac_fail(err, KDAC_E_NOT_SUPPORTED, "this daemon has no frame ring (ring.attach "
+                       "is newer than it)");
+    if (!c->failed)
+        kdac_region_release(c, region, NULL);
+    kdac_shm_close(&c->ring_shm);
+    return rc;
 }

@@ -7,7 +7,6 @@
  *   io.c       the send queue, the frame reader, dispatch, progress, waiting
  *   calls.c    one encoder + result decoder per method, blocking wrappers
  *   shm.c      memfd regions
- *   ring.c     kdac_ring_attach (the frame ring's set-up; io.c moves the bytes)
  */
 #ifndef KDAC_CLIENT_INT_H
 #define KDAC_CLIENT_INT_H

@@ -3,7 +3,7 @@
  * straight from the callers' tensor memory, with SCM_RIGHTS on the first
  * byte of a frame that passes a descriptor), the receive side (kp_reader,
  * large bodies received in place), the same two over a frame ring once
- * ring.attach succeeded (ring.c; the socket then carries doorbells),
+ * ring.attach succeeded (calls.c; the socket then carries doorbells),
  * dispatch of responses to their requests by id, connection failure, and
  * the wait loop of blocking calls.
  *
