@@ -588,7 +588,11 @@ void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_n
     r->fd = -1;
     kp_msg_init(&r->msg);
     uint64_t cap = c->hello_done ? c->session.limits.max_frame_bytes : KP_HELLO_MAX_FRAME_BYTES;
-    int rc = kp_msg_decode(&r->msg, body, len, cap, &e);
+    /* Prefills, the hot path, are read in one pass; anything that reader
+     * declines (other methods, errors) is decoded the general way. */
+    r->prefill_read = c->hello_done && kp_prefill_request_read(&r->msg, body, len, cap,
+                                                               &c->session, &r->prefill);
+    int rc = r->prefill_read ? KP_OK : kp_msg_decode(&r->msg, body, len, cap, &e);
     if (rc == KP_OK && r->msg.kind != KP_MSG_REQUEST)
         rc = kp_fail(&e, KP_E_PROTOCOL, "message type %d: clients send requests only",
                      (int)r->msg.kind);

@@ -34,6 +34,8 @@ struct kd_req {
     uint8_t *body;         /* the frame body: inline tensors point into it */
     size_t body_len;
     kp_msg msg;
+    bool prefill_read;          /* a prefill whose params were read on arrival: */
+    kp_prefill_params prefill;  /* (kp_prefill_request_read; msg's zone holds them) */
     int fd;                /* descriptor claimed for this frame, or -1 */
     kd_req *prev, *next;   /* the connection's unanswered requests */
     kd_job job;            /* prefill and slot operations: the scheduler's view */

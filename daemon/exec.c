@@ -193,8 +193,10 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
     kp_prefill_params *p = &x->prefill.p;
-    int rc = kp_prefill_params_decode(&r->msg, &r->conn->session, p, e);
-    if (rc)
+    int rc;
+    if (r->prefill_read)
+        *p = r->prefill;
+    else if ((rc = kp_prefill_params_decode(&r->msg, &r->conn->session, p, e)))
         return rc;
     kd_layer *layer = kd_layers_find(&d->layers, p->layer);
     if (!layer)

@@ -105,6 +105,28 @@ int dec_params(dec_fields *f, kp_msg *msg, const char *const *names, kp_error *e
 int dec_result(dec_fields *f, kp_msg *msg, const char *const *names, kp_error *err);
 
 /* ---------------------------------------------------------------------- */
+/* prefill (prefill.c), shared with its one-pass reader (prefill_read.c)  */
+/* ---------------------------------------------------------------------- */
+
+/* Running totals over a request's sequences, checked against the limits. */
+typedef struct prefill_totals {
+    uint64_t tokens;
+    uint64_t inline_in;  /* inline tensor bytes in the request */
+    uint64_t inline_out; /* inline output bytes the result will carry */
+} prefill_totals;
+
+/* Bytes of tensor t of a sequence of len tokens (saturating). */
+uint64_t prefill_tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads);
+/* Adds a decoded sequence's tokens and inline output to sum (its inline
+ * inputs are added as they are decoded). */
+void prefill_count_seq(prefill_totals *sum, const kp_prefill_seq *q, uint32_t heads);
+/* The checks on the request as a whole, once every sequence decoded: totals
+ * against the limits, distinct slots, outputs overlapping nothing else.
+ * Scratch space comes from msg's zone. */
+int prefill_check_whole(kp_msg *msg, const kp_limits *lim, const kp_prefill_params *p,
+                        const prefill_totals *sum, kp_error *err);
+
+/* ---------------------------------------------------------------------- */
 /* Encoding                                                               */
 /* ---------------------------------------------------------------------- */
 

@@ -239,9 +239,10 @@ int dec_copy_str(kp_msg *msg, const msgpack_object *o, const char *field, size_t
     return KP_OK;
 }
 
+/* key (len bytes, not NUL-terminated, may hold NULs) spells name exactly. */
 static bool name_is(const char *name, const char *key, uint32_t len)
 {
-    return strncmp(name, key, len) == 0 && name[len] == '\0';
+    return strlen(name) == len && memcmp(name, key, len) == 0;
 }
 
 /* The index of key in the `count` names, or -1.  Encoders write fields in

@@ -977,6 +977,17 @@ int kp_prefill_params_encode(kp_writer *w, uint32_t id, const kp_prefill_params 
  * are the daemon's to check (kp_prefill_check_regions helps). */
 int kp_prefill_params_decode(kp_msg *msg, const kp_session *s, kp_prefill_params *p,
                              kp_error *err);
+/*
+ * The daemon's hot path: reads a whole frame body that is a prefill request
+ * in one pass over its bytes (no pre-validation scan, no msgpack object
+ * tree).  Returns true with msg's envelope (kind, id, method, name; its zone
+ * holds p's arrays) and p filled exactly as kp_msg_decode +
+ * kp_prefill_params_decode fill them; false, with msg closed, for any frame
+ * those would refuse and for valid ones it leaves to them (unusual
+ * encodings): decode it the general way, which names what is wrong.
+ */
+bool kp_prefill_request_read(kp_msg *msg, const void *body, size_t len, uint64_t max_frame,
+                             const kp_session *s, kp_prefill_params *p);
 int kp_prefill_result_encode(kp_writer *w, uint32_t id, const kp_prefill_result *r,
                              kp_error *err);
 /* req is the request this answers: the result must have one entry per

@@ -21,7 +21,7 @@ static const char *const seq_result_fields[] = {"pos", "out", NULL};
 static const char *const result_fields[] = {"seqs", "queue_us", "run_us", "device_us",
                                             "kernel_us", NULL};
 
-static uint64_t tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads)
+uint64_t prefill_tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads)
 {
     return t == KP_TENSOR_BETA ? kp_beta_bytes(len, heads) : kp_token_tensor_bytes(len, heads);
 }
@@ -85,13 +85,6 @@ int kp_prefill_params_encode(kp_writer *w, uint32_t id, const kp_prefill_params 
     return enc_finish(w, err);
 }
 
-/* Running totals over a request's sequences, checked against the limits. */
-typedef struct prefill_totals {
-    uint64_t tokens;
-    uint64_t inline_in;  /* inline tensor bytes in the request */
-    uint64_t inline_out; /* inline output bytes the result will carry */
-} prefill_totals;
-
 static int decode_seq(kp_msg *msg, const kp_session *s, const msgpack_object *obj, uint32_t i,
                       kp_prefill_seq *q, prefill_totals *sum, kp_error *err)
 {
@@ -121,7 +114,7 @@ static int decode_seq(kp_msg *msg, const kp_session *s, const msgpack_object *ob
                                path, name);
             continue;
         }
-        uint64_t nbytes = tensor_bytes(t, q->len, heads);
+        uint64_t nbytes = prefill_tensor_bytes(t, q->len, heads);
         bool is_out = t == KP_TENSOR_OUT;
         if ((rc = dec_ref(&f, name, nbytes, !is_out, true, &q->tensors[t],
                           is_out ? &present : NULL, err,
@@ -130,12 +123,17 @@ static int decode_seq(kp_msg *msg, const kp_session *s, const msgpack_object *ob
         if (q->tensors[t].kind == KP_REF_INLINE)
             sum->inline_in += nbytes; /* <= the frame size: cannot overflow */
     }
+    prefill_count_seq(sum, q, heads);
+    return KP_OK;
+}
+
+void prefill_count_seq(prefill_totals *sum, const kp_prefill_seq *q, uint32_t heads)
+{
     if (q->len > 0 && q->out.kind == KP_REF_ABSENT &&
         __builtin_add_overflow(sum->inline_out, kp_token_tensor_bytes(q->len, heads),
                                &sum->inline_out))
         sum->inline_out = UINT64_MAX;
     sum->tokens += q->len; /* <= nseqs * 2^32: cannot overflow */
-    return KP_OK;
 }
 
 typedef struct slot_at {
@@ -296,19 +294,25 @@ int kp_prefill_params_decode(kp_msg *msg, const kp_session *s, kp_prefill_params
     }
     p->seqs = seqs;
     p->nseqs = n;
+    return prefill_check_whole(msg, lim, p, &sum, err);
+}
 
-    if (sum.tokens > lim->max_batch_tokens)
+int prefill_check_whole(kp_msg *msg, const kp_limits *lim, const kp_prefill_params *p,
+                        const prefill_totals *sum, kp_error *err)
+{
+    int rc;
+    if (sum->tokens > lim->max_batch_tokens)
         return kp_fail(err, KP_E_LIMIT_EXCEEDED, "seqs: %llu tokens in total exceed "
                        "max_batch_tokens %u (a request runs in one launch)",
-                       (unsigned long long)sum.tokens, lim->max_batch_tokens);
-    if (sum.inline_in > lim->max_inline_bytes)
+                       (unsigned long long)sum->tokens, lim->max_batch_tokens);
+    if (sum->inline_in > lim->max_inline_bytes)
         return kp_fail(err, KP_E_LIMIT_EXCEEDED, "seqs: %llu inline tensor bytes exceed "
-                       "max_inline_bytes %llu; use regions", (unsigned long long)sum.inline_in,
+                       "max_inline_bytes %llu; use regions", (unsigned long long)sum->inline_in,
                        (unsigned long long)lim->max_inline_bytes);
-    if (sum.inline_out > lim->max_inline_bytes)
+    if (sum->inline_out > lim->max_inline_bytes)
         return kp_fail(err, KP_E_LIMIT_EXCEEDED, "seqs: the inline output of %llu bytes would "
                        "exceed max_inline_bytes %llu; name out regions",
-                       (unsigned long long)sum.inline_out,
+                       (unsigned long long)sum->inline_out,
                        (unsigned long long)lim->max_inline_bytes);
     if ((rc = check_distinct_slots(msg, p, err)))
         return rc;

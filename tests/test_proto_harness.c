@@ -294,6 +294,58 @@ void expect_refused_with(edit *e, const kp_session *s, int code, const char *sub
     kp_error err = {0};
     edit_repack(e);
     expect_error(decode_params(&e->msg, s, &err), &err, code, substr);
+    if (e->msg.method == KP_METHOD_PREFILL)
+        assert_false(prefill_read_agrees(e->packed.data, e->packed.size, s, false));
+}
+
+static void expect_same_ref(const kp_ref *a, const kp_ref *b, uint32_t seq, int t)
+{
+    if (a->kind != b->kind || a->data != b->data || a->region != b->region ||
+        a->offset != b->offset || a->nbytes != b->nbytes)
+        fail_msg("seqs[%u].%s: the one-pass reader's reference differs", seq,
+                 kp_prefill_tensor_name(t));
+}
+
+bool prefill_read_agrees(const void *body, size_t len, const kp_session *s, bool must_read)
+{
+    kp_msg full, fast;
+    kp_prefill_params want, got;
+    kp_error err;
+    kp_msg_init(&full);
+    kp_msg_init(&fast);
+    bool valid = kp_msg_decode(&full, body, len, KP_DEFAULT_MAX_FRAME_BYTES, &err) == KP_OK &&
+                 full.kind == KP_MSG_REQUEST && full.method == KP_METHOD_PREFILL &&
+                 kp_prefill_params_decode(&full, s, &want, &err) == KP_OK;
+    bool read = kp_prefill_request_read(&fast, body, len, KP_DEFAULT_MAX_FRAME_BYTES, s, &got);
+    if (read && !valid)
+        fail_msg("the one-pass reader accepted a frame the decoder refuses: %s", err.message);
+    if (valid && must_read && !read)
+        fail_msg("the one-pass reader declined a valid request");
+    if (read) {
+        assert_int_equal(fast.kind, KP_MSG_REQUEST);
+        assert_true(fast.has_id);
+        assert_int_equal(fast.id, full.id);
+        assert_int_equal(fast.method, KP_METHOD_PREFILL);
+        assert_string_equal(fast.name, full.name);
+        assert_string_equal(got.layer, want.layer);
+        assert_int_equal(got.nseqs, want.nseqs);
+        for (uint32_t i = 0; i < want.nseqs; i++) {
+            const kp_prefill_seq *a = &want.seqs[i], *b = &got.seqs[i];
+            assert_int_equal(a->slot, b->slot);
+            assert_int_equal(a->has_expect_pos, b->has_expect_pos);
+            assert_int_equal(a->expect_pos, b->expect_pos);
+            assert_int_equal(a->len, b->len);
+            assert_int_equal(a->fresh, b->fresh);
+            for (int t = 0; t < KP_PREFILL_TENSORS; t++)
+                expect_same_ref(&a->tensors[t], &b->tensors[t], i, t);
+        }
+    } else {
+        assert_null(fast.unpacked.zone);
+        assert_false(fast.has_id);
+    }
+    kp_msg_close(&full);
+    kp_msg_close(&fast);
+    return valid;
 }
 
 void expect_refused(edit *e, int code, const char *substr)
@@ -308,6 +360,8 @@ void expect_accepted(edit *e)
     int rc = decode_params(&e->msg, &test_session, &err);
     if (rc)
         fail_msg("refused: %s", err.message);
+    if (e->msg.method == KP_METHOD_PREFILL)
+        assert_true(prefill_read_agrees(e->packed.data, e->packed.size, &test_session, true));
 }
 
 /* ---------------------------------------------------------------------- */

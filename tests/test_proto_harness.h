@@ -126,6 +126,13 @@ int decode_params(kp_msg *msg, const kp_session *s, kp_error *err);
 void expect_refused_with(edit *e, const kp_session *s, int code, const char *substr);
 void expect_refused(edit *e, int code, const char *substr);
 void expect_accepted(edit *e);
+/* Decodes a frame body with both prefill decoders: the general one
+ * (kp_msg_decode + kp_prefill_params_decode) and the one-pass reader
+ * (kp_prefill_request_read).  Fails the test when the reader accepts what
+ * the decoder refuses, when the two disagree on anything decoded, or, with
+ * must_read, when the reader declines a valid request.  Returns whether the
+ * frame is a valid prefill request.  Prefill edits check this too. */
+bool prefill_read_agrees(const void *body, size_t len, const kp_session *s, bool must_read);
 
 /* ---------------------------------------------------------------------- */
 /* The valid prefill                                                      */

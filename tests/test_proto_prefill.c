@@ -3,7 +3,9 @@
  * the codec makes on arrival (tensor sizes against len and H, types and
  * fields per sequence, region reference form, duplicate slots, outputs
  * overlapping other ranges, the token and inline limits), the checks on its
- * result, and the region bounds walk the daemon runs.  Each invalid request
+ * result, and the region bounds walk the daemon runs; and the one-pass
+ * reader (proto/prefill_read.c) held to the decoder's verdicts on every
+ * refused edit, on random requests and on mutated ones.  Each invalid request
  * is the valid four-sequence request of test_proto_harness.c with one change.
  */
 #include <stdlib.h>
@@ -42,6 +44,9 @@ static void test_prefill_wrong_shape_names_field(void **state)
     edit_end(&e);
 }
 
+/* An inline bin of seqs[1]'s output size. */
+static uint8_t out5_bin[TOK_BYTES(5)];
+
 static void test_prefill_types_and_fields(void **state)
 {
     edit e;
@@ -70,6 +75,12 @@ static void test_prefill_types_and_fields(void **state)
         {"unknown param", -1, "stream", 0, v_bool(true), "params: unknown field \"stream\""},
         {"duplicate key", -1, "layer", 2, v_str("other"), "params: field \"layer\" appears twice"},
         {"seqs nil", -1, "seqs", 0, v_nil(), "seqs: expected an array, got nil"},
+        {"layer empty", -1, "layer", 0, v_str(""), "layer: 0 bytes, at least 1 needed"},
+        {"duplicate seq key", 3, "slot", 2, v_u64(9), "seqs[3]: field \"slot\" appears twice"},
+        {"len beyond 32 bits", 3, "len", 0, v_u64(1ull << 32),
+         "seqs[3].len: 4294967296 is outside [0, 65536]"},
+        {"out inline", 1, "out", 0, v_bin(out5_bin, TOK_BYTES(5)),
+         "seqs[1].out: must be a region reference"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         encode_valid_prefill();
@@ -190,6 +201,8 @@ static void test_prefill_overlaps_random(void **state)
         kp_prefill_params got;
         kp_error e;
         int rc = kp_prefill_params_decode(&x.msg, &test_session, &got, &e);
+        assert_int_equal(prefill_read_agrees(x.frame + 4, x.len - 4, &test_session, true),
+                         rc == KP_OK);
         if (overlap != (rc != KP_OK))
             fail_msg("round %d, %u seqs: brute force says %s, the check said %s", round, n,
                      overlap ? "overlap" : "none", rc ? e.message : "ok");
@@ -200,6 +213,169 @@ static void test_prefill_overlaps_random(void **state)
     }
     /* both outcomes, often */
     assert_true(refused > rounds / 10 && refused < rounds * 9 / 10);
+}
+
+/* ---------------------------------------------------------------------- */
+/* The one-pass reader against the decoder                                */
+/* ---------------------------------------------------------------------- */
+
+static uint64_t next_rng(uint64_t *rng)
+{
+    *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+    return *rng >> 33;
+}
+
+/* A random request under session s (1 head): lengths 0..4 (0 one time in
+ * five), expect_pos / fresh (both, which is refused, now and then), each
+ * input inline or by region, out by region or absent, regions 1..3 on a
+ * coarse grid (overlaps happen), and a repeated slot now and then. */
+static void random_prefill(uint64_t *rng, kp_prefill_seq *seqs, uint32_t *n, const uint8_t *data)
+{
+    *n = 1 + (uint32_t)(next_rng(rng) % 16);
+    memset(seqs, 0, 16 * sizeof(*seqs));
+    for (uint32_t i = 0; i < *n; i++) {
+        kp_prefill_seq *q = &seqs[i];
+        q->slot = next_rng(rng) % 50 == 0 ? SLOT(0) : SLOT(i);
+        q->len = next_rng(rng) % 5 == 0 ? 0 : 1 + (uint32_t)(next_rng(rng) % 4);
+        q->has_expect_pos = next_rng(rng) % 3 == 0;
+        q->expect_pos = next_rng(rng) % 3 ? next_rng(rng) % 1000 : UINT64_MAX - next_rng(rng) % 4;
+        q->fresh = next_rng(rng) % (q->has_expect_pos ? 40 : 3) == 0;
+        for (int t = 0; t < KP_PREFILL_TENSORS && q->len > 0; t++) {
+            uint64_t bytes = t == KP_TENSOR_BETA ? 2ull * q->len : 256ull * q->len;
+            uint64_t pick = next_rng(rng) % 10;
+            if (t == KP_TENSOR_OUT && pick < 3)
+                continue; /* inline output */
+            if (t != KP_TENSOR_OUT && pick < 3)
+                q->tensors[t] = kp_ref_inline(data, bytes);
+            else
+                q->tensors[t] = kp_ref_region(1 + (uint32_t)(next_rng(rng) % 3),
+                                              (next_rng(rng) % 4096) * 64, bytes);
+        }
+    }
+}
+
+static void test_prefill_read_agrees_random(void **state)
+{
+    (void)state;
+    kp_session s = test_session;
+    s.geometry.heads = 1;
+    static uint8_t data[1024];
+    uint64_t rng = 2026;
+    int valid = 0, mutated_valid = 0, mutated_read = 0, rounds = 1500;
+    for (int round = 0; round < rounds; round++) {
+        kp_prefill_seq seqs[16];
+        uint32_t n;
+        random_prefill(&rng, seqs, &n, data);
+        kp_prefill_params p = {.layer = next_rng(&rng) % 2 ? "model.layers.0.kda" : "L",
+                               .seqs = seqs, .nseqs = n};
+        ENC(kp_prefill_params_encode(&test_writer, (uint32_t)next_rng(&rng), &p, &enc_err_));
+        uint8_t *frame;
+        size_t len;
+        kp_error err;
+        assert_int_equal(kp_writer_flatten(&test_writer, &frame, &len, &err), KP_OK);
+        valid += prefill_read_agrees(frame + 4, len - 4, &s, true);
+        /* Mutations: a byte replaced by an interesting value, or the frame cut short. */
+        static const uint8_t values[] = {0x00, 0x01, 0x7f, 0x80, 0x82, 0x8f, 0x90, 0x92, 0xa0,
+                                         0xa3, 0xc0, 0xc1, 0xc2, 0xc3, 0xc4, 0xcc, 0xcf, 0xd0,
+                                         0xd9, 0xdc, 0xde, 0xdf, 0xe0, 0xff};
+        for (int m = 0; m < 12; m++) {
+            size_t at = 4 + next_rng(&rng) % (len - 4);
+            uint8_t saved = frame[at];
+            size_t body = len - 4;
+            if (m == 11)
+                body = next_rng(&rng) % body;
+            else
+                frame[at] = values[next_rng(&rng) % sizeof(values)];
+            kp_msg probe;
+            kp_prefill_params got;
+            kp_msg_init(&probe);
+            mutated_read += kp_prefill_request_read(&probe, frame + 4, body, UINT32_MAX, &s, &got);
+            kp_msg_close(&probe);
+            mutated_valid += prefill_read_agrees(frame + 4, body, &s, false);
+            frame[at] = saved;
+        }
+        free(frame);
+    }
+    print_message("%d of %d requests valid; mutated: %d valid, %d read\n", valid, rounds,
+                  mutated_valid, mutated_read);
+    /* both outcomes, often, before and after mutation */
+    assert_true(valid > rounds / 10 && valid < rounds * 9 / 10);
+    assert_true(mutated_valid > rounds && mutated_read > rounds / 2);
+}
+
+/* Body bytes of the valid prefill with bytes [at, at + cut) replaced by n new ones. */
+static uint8_t *spliced(const uint8_t *body, size_t len, size_t at, size_t cut,
+                        const uint8_t *bytes, size_t n, size_t *out_len)
+{
+    uint8_t *b = malloc(len - cut + n);
+    assert_non_null(b);
+    memcpy(b, body, at);
+    memcpy(b + at, bytes, n);
+    memcpy(b + at + n, body + at + cut, len - at - cut);
+    *out_len = len - cut + n;
+    return b;
+}
+
+/* The envelope [0, 11, "prefill", params]: what the reader declines and
+ * the encodings it reads. */
+static void test_prefill_read_envelopes(void **state)
+{
+    (void)state;
+    encode_valid_prefill();
+    wire x;
+    open_request(&x, KP_METHOD_PREFILL, 11);
+    const uint8_t *body = x.frame + 4;
+    size_t len = x.len - 4;
+    static const uint8_t head[] = {0x94, 0x00, 0x0b, 0xa7, 'p', 'r', 'e', 'f', 'i', 'l', 'l'};
+    assert_memory_equal(body, head, sizeof(head));
+    struct {
+        const char *what;
+        size_t at, cut;
+        uint8_t bytes[12];
+        size_t n;
+        bool valid;
+    } cases[] = {
+        {"as is", 0, 0, {0}, 0, true},
+        {"id as uint8", 2, 1, {0xcc, 0x0b}, 2, true},
+        {"id as uint64", 2, 1, {0xcf, 0, 0, 0, 0, 0, 0, 0, 0x0b}, 9, true},
+        {"method as str8", 3, 1, {0xd9, 7}, 2, true},
+        {"id as int8", 2, 1, {0xd0, 0x0b}, 2, true}, /* valid; the reader may leave it */
+        {"a response", 1, 1, {0x01}, 1, false},
+        {"a notification", 1, 1, {0x02}, 1, false},
+        {"id above 32 bits", 2, 1, {0xcf, 0, 0, 0, 1, 0, 0, 0, 0}, 9, false},
+        {"negative id", 2, 1, {0xff}, 1, false},
+        {"method misspelt", 3, 8, {0xa6, 'p', 'r', 'e', 'f', 'i', 'l'}, 7, false},
+        {"method as bin", 3, 1, {0xc4, 7}, 2, false},
+        {"three elements, params after them", 0, 1, {0x93}, 1, false},
+        {"five elements", 0, 1, {0x95}, 1, false},
+        {"trailing nil", len, 0, {0xc0}, 1, false},
+        {"cut short", len - 1, 1, {0}, 0, false},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        size_t n;
+        uint8_t *b = spliced(body, len, cases[i].at, cases[i].cut, cases[i].bytes, cases[i].n, &n);
+        print_message("case: %s\n", cases[i].what);
+        bool must_read = cases[i].valid && strcmp(cases[i].what, "id as int8") != 0;
+        assert_int_equal(prefill_read_agrees(b, n, &test_session, must_read), cases[i].valid);
+        free(b);
+    }
+    wire_close(&x);
+}
+
+/* A key is compared with its whole length: "slot" followed by a NUL is
+ * another, unknown, field. */
+static void test_prefill_key_with_nul(void **state)
+{
+    edit e;
+    encode_valid_prefill();
+    edit_begin(&e);
+    msgpack_object *seq = seq_at(&e, 0);
+    msgpack_object_kv *kv = edit_find(seq, "slot");
+    static const char slot_nul[] = {'s', 'l', 'o', 't', '\0'};
+    kv->key.via.str.ptr = slot_nul;
+    kv->key.via.str.size = sizeof(slot_nul);
+    expect_refused(&e, KP_E_INVALID_PARAMS, "seqs[0]: unknown field \"slot\"");
+    edit_end(&e);
 }
 
 static void test_prefill_out_overlaps(void **state)
@@ -393,6 +569,11 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefill_duplicate_slot, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_out_overlaps, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_overlaps_random, prefill_setup,
+                                        prefill_teardown),
+        cmocka_unit_test_setup_teardown(test_prefill_read_agrees_random, prefill_setup,
+                                        prefill_teardown),
+        cmocka_unit_test_setup_teardown(test_prefill_key_with_nul, prefill_setup, prefill_teardown),
+        cmocka_unit_test_setup_teardown(test_prefill_read_envelopes, prefill_setup,
                                         prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_limits, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_result_checked, prefill_setup, prefill_teardown),
