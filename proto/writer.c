@@ -50,6 +50,33 @@ static int writer_copy(void *data, const char *buf, size_t len)
     return 0;
 }
 
+/* Room for n (<= KP_WRITER_PENDING) bytes at the end of the pending bytes,
+ * which the caller fills: the common small pieces skip the packer's
+ * callback and its copy. */
+static uint8_t *writer_room(kp_writer *w, size_t n)
+{
+    if (w->npending + n > sizeof(w->pending))
+        writer_flush(w);
+    uint8_t *at = w->pending + w->npending;
+    w->npending += n;
+    w->body_bytes += n;
+    return at;
+}
+
+/* An unsigned integer in its shortest msgpack form. */
+static void writer_uint(kp_writer *w, uint64_t v)
+{
+    if (v <= 0x7f) {
+        *writer_room(w, 1) = (uint8_t)v;
+        return;
+    }
+    const int bytes = v <= UINT8_MAX ? 1 : v <= UINT16_MAX ? 2 : v <= UINT32_MAX ? 4 : 8;
+    uint8_t *at = writer_room(w, 1 + (size_t)bytes);
+    at[0] = bytes == 1 ? 0xcc : bytes == 2 ? 0xcd : bytes == 4 ? 0xce : 0xcf;
+    for (int i = 0; i < bytes; i++)
+        at[1 + i] = (uint8_t)(v >> 8 * (bytes - 1 - i));
+}
+
 int kp_writer_init(kp_writer *w, uint64_t max_frame)
 {
     memset(w, 0, sizeof(*w));
@@ -156,10 +183,9 @@ void enc_str(kp_writer *w, const char *s)
 {
     size_t n = strlen(s);
     if (n < 32) { /* a fixstr, header and body in one piece (keys, names) */
-        char fix[32];
-        fix[0] = (char)(0xa0 | n);
-        memcpy(fix + 1, s, n);
-        writer_copy(w, fix, n + 1);
+        uint8_t *at = writer_room(w, n + 1);
+        at[0] = (uint8_t)(0xa0 | n);
+        memcpy(at + 1, s, n);
         return;
     }
     msgpack_pack_str(&w->pk, n);
@@ -194,7 +220,7 @@ void enc_bin(kp_writer *w, const void *data, uint64_t n)
 void enc_kv_u64(kp_writer *w, const char *key, uint64_t v)
 {
     enc_key(w, key);
-    msgpack_pack_uint64(&w->pk, v);
+    writer_uint(w, v);
 }
 
 void enc_kv_int(kp_writer *w, const char *key, int64_t v)
