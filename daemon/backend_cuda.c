@@ -7,7 +7,7 @@
  * KD_CUDA_DEPTH (2) buffers of the double buffering a pinned descriptor
  * table, its device copy, pinned and device staging each way, its events,
  * and one graph per size bucket.  A graph is
- *   [copy launch table -> device, kernel(max_seqs = bucket)]
+ *   [record k0_ev, copy launch table -> device, kernel(max_seqs = bucket), record k1_ev]
  * where the launch table is [count of live descriptors | descriptors]: one
  * copy (a copy node costs microseconds of device time), so replaying the
  * graph with a freshly written pinned table runs a new batch; the kernel
@@ -25,9 +25,10 @@
  *            into the region)
  * A batch with nothing to copy (CUDA IPC regions) stays on `stream` alone.
  * Timing events bracket the whole (begin_ev .. end_ev: the batch's device
- * time) and the graph (k0_ev .. k1_ev: the kernel's).  A batch that is the
- * graph alone (device memory, no slot operations) records k0_ev and k1_ev
- * only: every record costs the launch path a driver call.
+ * time) and the graph (k0_ev .. k1_ev: the kernel's, recorded by the graph's
+ * own event nodes).  A batch that is the graph alone (device memory, no slot
+ * operations) records nothing else: every record costs the launch path a
+ * driver call, so such a launch is one.
  *
  * A batch goes through four steps, none of which blocks the loop:
  *   1. stage   (worker thread)  inline inputs and converted states into the
@@ -529,12 +530,8 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         e = enqueue_op(cb, bf, i);
     }
     if (e == cudaSuccess && b->nseqs > 0) {
-        *what = "replaying the prefill graph";
-        e = cudaEventRecord(bf->k0_ev, cb->stream);
-        if (e == cudaSuccess)
-            e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
-        if (e == cudaSuccess)
-            e = cudaEventRecord(bf->k1_ev, cb->stream);
+        *what = "replaying the prefill graph"; /* it records k0_ev and k1_ev itself */
+        e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
     }
     if (e == cudaSuccess && copy_out) {
         *what = "copying outputs from the device";
@@ -1109,7 +1106,9 @@ static const kd_backend_ops cuda_ops = {
     .destroy = cuda_destroy,
 };
 
-/* Captures [descriptor upload, count upload, kernel] for one bucket. */
+/* Captures [record k0_ev, launch table upload, kernel, record k1_ev] for one
+ * bucket: the timing events are nodes of the graph, so that a replay is one
+ * driver call. */
 static cudaError_t capture(cuda_backend *cb, cuda_buf *bf, uint32_t bucket, cudaGraphExec_t *out,
                            char *err, size_t errlen)
 {
@@ -1117,11 +1116,13 @@ static cudaError_t capture(cuda_backend *cb, cuda_buf *bf, uint32_t bucket, cuda
     cudaError_t e = cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess)
         return e;
+    cudaEventRecordWithFlags(bf->k0_ev, cb->stream, cudaEventRecordExternal);
     cudaMemcpyAsync(bf->table_dev, bf->table_host, table_bytes(bucket), cudaMemcpyHostToDevice,
                     cb->stream);
     kda_error kerr;
     int krc = kda_cuda_prefill(cb->k, &cb->base.pool, bf->desc_dev, bf->count_dev,
                                (int32_t)bucket, cb->stream, &kerr);
+    cudaEventRecordWithFlags(bf->k1_ev, cb->stream, cudaEventRecordExternal);
     e = cudaStreamEndCapture(cb->stream, &graph);
     if (krc != KDA_OK) {
         snprintf(err, errlen, "capturing the kernel for %u sequences: %s", bucket, kerr.msg);
