@@ -23,7 +23,9 @@
 # answer; E2E_ONLY=ring compares it with the socket ("spin-2ms") and with sleeping clients
 # ("ring"); E2E_ONLY=ring64 the same on H = 64.  E2E_ONLY=nobatch runs only the batching-off rows,
 # E2E_ONLY=ipc only the device-memory rows (CUDA IPC and VMM, all variants), E2E_ONLY=ring
-# only the ring comparison, for quick checks.
+# only the ring comparison, for quick checks.  E2E_ONLY=ab runs the single-client ring rows
+# over VMM (H96, H64) for BIN_DIR and for another build's kdad and kdactl in BASE_BIN,
+# interleaved twice: an A/B within one call.
 set -uo pipefail
 bin=${1:?usage: e2e-bench.sh BIN_DIR}
 out=${OUT:-/tmp/kdad-e2e}
@@ -41,15 +43,17 @@ start_kdad() {   # start_kdad HEADS CONFIG: kdad in the background on $sock
   "$bin/kdad" --config "$2" --heads "$1" --socket "$sock" >>"$out/kdad.log" 2>&1 &
   kdad_pid=$!
   for _ in $(seq 1 600); do
-    "$bin/kdactl" --socket "$sock" ping >/dev/null 2>&1 && return 0
+    kdactl --socket "$sock" ping >/dev/null 2>&1 && return 0
     kill -0 "$kdad_pid" 2>/dev/null || { echo "kdad failed to start"; tail -20 "$out/kdad.log"; return 1; }
     sleep 0.1
   done
   return 1
 }
+# kdactl of $bin with its own libkdaclient (two builds meet in E2E_ONLY=ab)
+kdactl() { LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$bin/kdactl" "$@"; }
 stop_kdad() { kill -TERM "$kdad_pid"; wait "$kdad_pid"; echo "kdad exit $?" >>"$out/kdad.log"; }
 
-stats() { "$bin/kdactl" --socket "$sock" --json stats 2>>"$out/kdactl.err" | tr -d '\n'; }
+stats() { kdactl --socket "$sock" --json stats 2>>"$out/kdactl.err" | tr -d '\n'; }
 field() {        # field JSON NAME: the first number after "NAME":
   grep -o "\"$2\": *[-0-9.e+]*" <<<"$1" | head -1 | sed 's/.*: *//'
 }
@@ -61,7 +65,7 @@ measure() {      # measure WORKLOAD KDACTL_BENCH_ARGS...: one JSON line
   local name=$1; shift
   local json before after summary
   before=$(stats)
-  json=$("$bin/kdactl" --socket "$sock" --json bench "$@" 2>>"$out/kdactl.err" | tr -d '\n') ||
+  json=$(kdactl --socket "$sock" --json bench "$@" 2>>"$out/kdactl.err" | tr -d '\n') ||
     echo "bench failed: $name $*" >&2
   after=$(stats)
   [ -n "$json" ] || return 0
@@ -81,7 +85,7 @@ ping_row() {     # the round trip of a health request: the floor under every req
   local json name args
   for name in socket ring; do
     args=""; [ $name = ring ] && args="--ring --spin 2000"
-    json=$("$bin/kdactl" --socket "$sock" --json ping --count 2000 $args 2>>"$out/kdactl.err" | tr -d '\n')
+    json=$(kdactl --socket "$sock" --json ping --count 2000 $args 2>>"$out/kdactl.err" | tr -d '\n')
     [ -n "$json" ] || continue
     echo "$name round trip (kdactl ping $args) | p50 $(field "$json" rtt_us_p50) us, p99 $(field "$json" rtt_us_p99) us" |
       tee -a "$out/e2e-summary.txt"
@@ -143,6 +147,19 @@ elif [ "$only" = ring ] || [ "$only" = ring64 ]; then
   ping_row
   ring_rows $heads "spin-2ms:--spin 2000" "ring-spin:--ring --spin 2000" "ring:--ring"
   stop_kdad
+elif [ "$only" = ab ]; then
+  new=$bin
+  for heads in 96 64; do
+    for round in 1 2; do
+      for bin in "$new" "${BASE_BIN:?E2E_ONLY=ab compares with the kdad and kdactl in BASE_BIN}"; do
+        start_kdad $heads bench/e2e-h200.yaml || exit 1
+        variant="ring-spin $(basename "$bin")" client_args="--ring --spin 2000"
+        latency_rows $heads cuda-vmm
+        stop_kdad
+      done
+    done
+  done
+  bin=$new variant=poll client_args=""
 fi
 
 # The other completion mode, on the rows it matters for.
