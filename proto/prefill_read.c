@@ -126,6 +126,7 @@ typedef struct known_key {
     uint32_t len;
 } known_key;
 #define KEY(s) {s, sizeof(s) - 1}
+#define NKEYS(keys) ((int)(sizeof(keys) / sizeof((keys)[0])))
 
 /* The next key of a map: its index among the count keys, read for the
  * first time (marked in *seen); -1 for anything else, and for keys not sent
@@ -175,10 +176,10 @@ static bool read_ref(reader *r, kp_ref *out)
     uint64_t region = 0, offset = 0;
     uint32_t n, seen = 0;
     int next = 0;
-    if (!take_map(r, &n) || n > 2)
+    if (!take_map(r, &n) || n > NKEYS(ref_keys))
         return false;
     for (uint32_t i = 0; i < n; i++) {
-        int key = take_key(r, ref_keys, 2, &seen, &next);
+        int key = take_key(r, ref_keys, NKEYS(ref_keys), &seen, &next);
         if (key < 0 || !take_uint(r, key == 0 ? &region : &offset))
             return false;
     }
@@ -201,10 +202,10 @@ static bool read_seq(reader *r, const kp_session *s, kp_prefill_seq *q, prefill_
     uint32_t n, seen = 0;
     int next = 0;
     memset(q, 0, sizeof(*q));
-    if (!take_map(r, &n) || n > 10)
+    if (!take_map(r, &n) || n > NKEYS(seq_keys))
         return false;
     for (uint32_t i = 0; i < n; i++) {
-        int key = take_key(r, seq_keys, 10, &seen, &next);
+        int key = take_key(r, seq_keys, NKEYS(seq_keys), &seen, &next);
         bool ok = key >= 0;
         switch (key) {
         case -1: break;
@@ -254,10 +255,10 @@ static bool read_params(reader *r, kp_msg *msg, const kp_session *s, kp_prefill_
 {
     uint32_t nkeys, seen = 0;
     int next = 0;
-    if (!take_map(r, &nkeys) || nkeys > 2)
+    if (!take_map(r, &nkeys) || nkeys > NKEYS(params_keys))
         return false;
     for (uint32_t k = 0; k < nkeys; k++) {
-        int key = take_key(r, params_keys, 2, &seen, &next);
+        int key = take_key(r, params_keys, NKEYS(params_keys), &seen, &next);
         if (key < 0)
             return false;
         if (key == 0) {
