@@ -53,7 +53,7 @@ static int writer_copy(void *data, const char *buf, size_t len)
 /* Room for n (<= KP_WRITER_PENDING) bytes at the end of the pending bytes,
  * which the caller fills: the common small pieces skip the packer's
  * callback and its copy. */
-static uint8_t *writer_room(kp_writer *w, size_t n)
+static inline uint8_t *writer_room(kp_writer *w, size_t n)
 {
     if (w->npending + n > sizeof(w->pending))
         writer_flush(w);
@@ -63,18 +63,32 @@ static uint8_t *writer_room(kp_writer *w, size_t n)
     return at;
 }
 
-/* An unsigned integer in its shortest msgpack form. */
+/* An unsigned integer in its shortest msgpack form (big-endian payload). */
 static void writer_uint(kp_writer *w, uint64_t v)
 {
+    uint8_t *at;
     if (v <= 0x7f) {
         *writer_room(w, 1) = (uint8_t)v;
-        return;
+    } else if (v <= UINT8_MAX) {
+        at = writer_room(w, 2);
+        at[0] = 0xcc;
+        at[1] = (uint8_t)v;
+    } else if (v <= UINT16_MAX) {
+        uint16_t be = __builtin_bswap16((uint16_t)v);
+        at = writer_room(w, 3);
+        at[0] = 0xcd;
+        memcpy(at + 1, &be, sizeof(be));
+    } else if (v <= UINT32_MAX) {
+        uint32_t be = __builtin_bswap32((uint32_t)v);
+        at = writer_room(w, 5);
+        at[0] = 0xce;
+        memcpy(at + 1, &be, sizeof(be));
+    } else {
+        uint64_t be = __builtin_bswap64(v);
+        at = writer_room(w, 9);
+        at[0] = 0xcf;
+        memcpy(at + 1, &be, sizeof(be));
     }
-    const int bytes = v <= UINT8_MAX ? 1 : v <= UINT16_MAX ? 2 : v <= UINT32_MAX ? 4 : 8;
-    uint8_t *at = writer_room(w, 1 + (size_t)bytes);
-    at[0] = bytes == 1 ? 0xcc : bytes == 2 ? 0xcd : bytes == 4 ? 0xce : 0xcf;
-    for (int i = 0; i < bytes; i++)
-        at[1 + i] = (uint8_t)(v >> 8 * (bytes - 1 - i));
 }
 
 int kp_writer_init(kp_writer *w, uint64_t max_frame)

@@ -362,6 +362,36 @@ static void test_prefill_read_envelopes(void **state)
     wire_close(&x);
 }
 
+/* Integers are packed in their shortest form, each boundary both ways, and
+ * read back whole by both decoders. */
+static void test_prefill_uint_forms(void **state)
+{
+    (void)state;
+    static const struct {
+        uint64_t v;
+        size_t bytes; /* type byte included */
+    } cases[] = {
+        {0, 1}, {0x7f, 1}, {0x80, 2}, {0xff, 2}, {0x100, 3}, {0xffff, 3}, {0x10000, 5},
+        {0xffffffffull, 5}, {0x100000000ull, 9}, {UINT64_MAX, 9},
+    };
+    size_t base = 0;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        kp_prefill_seq seq = {.slot = cases[i].v, .len = 0};
+        kp_prefill_params p = {.layer = "L", .seqs = &seq, .nseqs = 1};
+        ENC(kp_prefill_params_encode(&test_writer, 11, &p, &enc_err_));
+        wire x;
+        open_request(&x, KP_METHOD_PREFILL, 11);
+        if (i == 0)
+            base = x.len - cases[i].bytes;
+        assert_int_equal(x.len - base, cases[i].bytes);
+        kp_prefill_params got;
+        DEC(kp_prefill_params_decode(&x.msg, &test_session, &got, &dec_err_));
+        assert_int_equal(got.seqs[0].slot, cases[i].v);
+        assert_true(prefill_read_agrees(x.frame + 4, x.len - 4, &test_session, true));
+        wire_close(&x);
+    }
+}
+
 /* A key is compared with its whole length: "slot" followed by a NUL is
  * another, unknown, field. */
 static void test_prefill_key_with_nul(void **state)
@@ -573,6 +603,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_prefill_read_agrees_random, prefill_setup,
                                         prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_key_with_nul, prefill_setup, prefill_teardown),
+        cmocka_unit_test(test_prefill_uint_forms),
         cmocka_unit_test_setup_teardown(test_prefill_read_envelopes, prefill_setup,
                                         prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_limits, prefill_setup, prefill_teardown),
