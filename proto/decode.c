@@ -233,7 +233,8 @@ int dec_copy_str(kp_msg *msg, const msgpack_object *o, const char *field, size_t
     char *s = dec_alloc(msg, (size_t)n + 1, 1, err);
     if (!s)
         return err ? err->code : KP_E_NO_MEMORY;
-    memcpy(s, o->via.str.ptr, n);
+    if (n) /* msgpack-c gives an empty str a NULL pointer */
+        memcpy(s, o->via.str.ptr, n);
     s[n] = '\0';
     *out = s;
     return KP_OK;
@@ -485,7 +486,7 @@ int dec_str(const dec_fields *f, const char *name, size_t min_len, size_t max_le
         if (o->via.str.size < min_len)
             return kp_fail(err, f->code, "%s: %u bytes, at least %zu needed", path,
                            o->via.str.size, min_len);
-        if (memchr(o->via.str.ptr, '\0', o->via.str.size))
+        if (o->via.str.size && memchr(o->via.str.ptr, '\0', o->via.str.size))
             return kp_fail(err, f->code, "%s: contains a NUL byte", path);
     }
     return dec_copy_str(f->msg, o, path, max_len, f->code, out, err);

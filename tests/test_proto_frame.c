@@ -694,6 +694,13 @@ static void test_envelope_shapes(void **state)
     assert_string_equal(msg.name, "foo");
     kp_msg_close(&msg);
 
+    /* An empty method name (msgpack-c hands it over as a NULL pointer): unknown, "". */
+    const uint8_t empty[] = {0x94, 0x00, 0x08, 0xa0, 0x80};
+    assert_int_equal(decode_bytes(&msg, empty, sizeof(empty), &err), KP_OK);
+    assert_int_equal(msg.method, KP_METHOD_UNKNOWN);
+    assert_string_equal(msg.name, "");
+    kp_msg_close(&msg);
+
     /* Params not a map: a protocol error, but the id is known. */
     const uint8_t bad_params[] = {0x94, 0x00, 0x09, 0xa3, 'f', 'o', 'o', 0x90};
     expect_error(decode_bytes(&msg, bad_params, sizeof(bad_params), &err), &err, KP_E_PROTOCOL,
