@@ -261,7 +261,7 @@ static void test_prefill_read_agrees_random(void **state)
     s.geometry.heads = 1;
     static uint8_t data[1024];
     uint64_t rng = 2026;
-    int valid = 0, mutated_valid = 0, mutated_read = 0, rounds = 1500;
+    int valid = 0, mutated_valid = 0, mutated_read = 0, rounds = 2000;
     for (int round = 0; round < rounds; round++) {
         kp_prefill_seq seqs[16];
         uint32_t n;
@@ -274,25 +274,33 @@ static void test_prefill_read_agrees_random(void **state)
         kp_error err;
         assert_int_equal(kp_writer_flatten(&test_writer, &frame, &len, &err), KP_OK);
         valid += prefill_read_agrees(frame + 4, len - 4, &s, true);
-        /* Mutations: a byte replaced by an interesting value, or the frame cut short. */
+        /* Mutants: one to three bytes replaced (an interesting value, any value, a
+         * flipped bit), one in four also cut short; each in a buffer of its own
+         * size, so that reading past its end is caught under ASan. */
         static const uint8_t values[] = {0x00, 0x01, 0x7f, 0x80, 0x82, 0x8f, 0x90, 0x92, 0xa0,
                                          0xa3, 0xc0, 0xc1, 0xc2, 0xc3, 0xc4, 0xcc, 0xcf, 0xd0,
                                          0xd9, 0xdc, 0xde, 0xdf, 0xe0, 0xff};
-        for (int m = 0; m < 12; m++) {
-            size_t at = 4 + next_rng(&rng) % (len - 4);
-            uint8_t saved = frame[at];
+        for (int m = 0; m < 24; m++) {
             size_t body = len - 4;
-            if (m == 11)
-                body = next_rng(&rng) % body;
-            else
-                frame[at] = values[next_rng(&rng) % sizeof(values)];
+            uint8_t *mutant = malloc(body);
+            assert_non_null(mutant);
+            memcpy(mutant, frame + 4, body);
+            for (uint64_t edits = 1 + next_rng(&rng) % 3; edits > 0; edits--) {
+                size_t at = next_rng(&rng) % body;
+                uint64_t how = next_rng(&rng) % 3;
+                mutant[at] = how == 0   ? values[next_rng(&rng) % sizeof(values)]
+                             : how == 1 ? (uint8_t)next_rng(&rng)
+                                        : (uint8_t)(mutant[at] ^ 1u << next_rng(&rng) % 8);
+            }
+            if (next_rng(&rng) % 4 == 0)
+                body = 1 + next_rng(&rng) % body;
             kp_msg probe;
             kp_prefill_params got;
             kp_msg_init(&probe);
-            mutated_read += kp_prefill_request_read(&probe, frame + 4, body, UINT32_MAX, &s, &got);
+            mutated_read += kp_prefill_request_read(&probe, mutant, body, UINT32_MAX, &s, &got);
             kp_msg_close(&probe);
-            mutated_valid += prefill_read_agrees(frame + 4, body, &s, false);
-            frame[at] = saved;
+            mutated_valid += prefill_read_agrees(mutant, body, &s, false);
+            free(mutant);
         }
         free(frame);
     }
