@@ -32,24 +32,6 @@ static void writer_flush(kp_writer *w)
     w->npending = 0;
 }
 
-/* msgpack_packer callback: every packed piece is copied. */
-static int writer_copy(void *data, const char *buf, size_t len)
-{
-    kp_writer *w = data;
-    if (w->npending + len > sizeof(w->pending))
-        writer_flush(w);
-    if (len <= sizeof(w->pending)) {
-        memcpy(w->pending + w->npending, buf, len);
-        w->npending += len;
-    } else if (msgpack_vrefbuffer_append_copy(&w->vbuf, buf, len) != 0) {
-        w->failed = true;
-    }
-    if (w->failed)
-        return -1;
-    w->body_bytes += len;
-    return 0;
-}
-
 /* Room for n (<= KP_WRITER_PENDING) bytes at the end of the pending bytes,
  * which the caller fills: the common small pieces skip the packer's
  * callback and its copy. */
@@ -61,6 +43,22 @@ static inline uint8_t *writer_room(kp_writer *w, size_t n)
     w->npending += n;
     w->body_bytes += n;
     return at;
+}
+
+/* msgpack_packer callback: every packed piece is copied (small ones into the
+ * pending bytes, larger ones straight into the vrefbuffer, after them). */
+static int writer_copy(void *data, const char *buf, size_t len)
+{
+    kp_writer *w = data;
+    if (len <= sizeof(w->pending)) {
+        memcpy(writer_room(w, len), buf, len);
+    } else {
+        writer_flush(w);
+        if (msgpack_vrefbuffer_append_copy(&w->vbuf, buf, len) != 0)
+            w->failed = true;
+        w->body_bytes += len;
+    }
+    return w->failed ? -1 : 0;
 }
 
 /* An unsigned integer in its shortest msgpack form (big-endian payload). */
