@@ -159,6 +159,12 @@ int dh_start(dh_daemon *d, const char *yaml)
     return -1;
 }
 
+void dh_start_or_skip(dh_daemon *d, const char *yaml)
+{
+    if (dh_start(d, yaml) == 77)
+        skip();
+}
+
 int dh_signal_wait(dh_daemon *d, int sig)
 {
     if (d->pid <= 0)

@@ -41,6 +41,8 @@ typedef struct dh_daemon {
  * test otherwise, printing the daemon's log.
  */
 int dh_start(dh_daemon *d, const char *yaml);
+/* dh_start inside a test: skips the test when the backend is unavailable. */
+void dh_start_or_skip(dh_daemon *d, const char *yaml);
 /* Starts and stops a daemon once: 77 when its backend is unavailable (the suite skips), else 0. */
 int dh_backend_available(const char *yaml);
 /* Sends sig (0: none) and waits for the exit; returns the exit code (-1 if

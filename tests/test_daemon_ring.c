@@ -29,12 +29,6 @@
 static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n"
                            "limits:\n  max_regions_per_client: 3\n";
 
-static void start(dh_daemon *d)
-{
-    if (dh_start(d, yaml) == 77)
-        skip();
-}
-
 /* ---------------------------------------------------------------------- */
 /* libkdaclient over the ring                                             */
 /* ---------------------------------------------------------------------- */
@@ -58,7 +52,7 @@ static kdac_client *open_client(const dh_daemon *d, const dh_layer *l)
 /* A daemon, and the layer every libkdaclient test registers on it. */
 static void start_with_layer(dh_daemon *d, test_rng *r, dh_layer *l)
 {
-    start(d);
+    dh_start_or_skip(d, yaml);
     rng_seed(r, 31);
     dh_layer_make(l, r);
 }
@@ -314,7 +308,7 @@ static void test_ring_attach_refused(void **unused)
 {
     (void)unused;
     dh_daemon d;
-    start(&d);
+    dh_start_or_skip(&d, yaml);
     dh_client c;
     dh_connect(&c, &d);
     dh_hello(&c);
@@ -369,7 +363,7 @@ static void test_ring_hostile_client(void **unused)
 {
     (void)unused;
     dh_daemon d;
-    start(&d);
+    dh_start_or_skip(&d, yaml);
     dh_client bystander;
     dh_connect(&bystander, &d);
     dh_hello(&bystander);
@@ -460,8 +454,7 @@ static void test_ring_doorbells_only(void **unused)
 {
     (void)unused;
     dh_daemon d;
-    if (dh_start(&d, "heads: 4\nslots: 16\ncpu_threads: 2\nbatching:\n  spin_us: 0\n") == 77)
-        skip();
+    dh_start_or_skip(&d, "heads: 4\nslots: 16\ncpu_threads: 2\nbatching:\n  spin_us: 0\n");
     test_rng r;
     rng_seed(&r, 7);
     dh_layer l;

@@ -23,12 +23,6 @@
 static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n"
                            "limits:\n  max_regions_per_client: 3\n";
 
-static void start(dh_daemon *d)
-{
-    if (dh_start(d, yaml) == 77)
-        skip();
-}
-
 static int memfd(size_t size, bool seal)
 {
     int fd = memfd_create("kdad-test", MFD_ALLOW_SEALING | MFD_CLOEXEC);
@@ -141,7 +135,7 @@ static void test_shm_matches_inline(void **unused)
     dh_layer l;
     dh_seq s;
     test_rng r;
-    start(&d);
+    dh_start_or_skip(&d, yaml);
     rng_seed(&r, 21);
     setup_client(&c, &d, &l, &r);
     dh_seq_make(&s, &r, 77);
@@ -222,8 +216,7 @@ static void run_chain(const char *cfg, const dh_seq *s, uint32_t split, uint16_t
     dh_client c;
     dh_layer l;
     test_rng r;
-    if (dh_start(&d, cfg) == 77)
-        skip();
+    dh_start_or_skip(&d, cfg);
     rng_seed(&r, 5);
     setup_client(&c, &d, &l, &r);
     uint64_t slot = dh_alloc(&c);
@@ -295,7 +288,7 @@ static void test_shm_hostile_references(void **unused)
     dh_client c;
     dh_layer l;
     test_rng r;
-    start(&d);
+    dh_start_or_skip(&d, yaml);
     rng_seed(&r, 22);
     setup_client(&c, &d, &l, &r);
     uint64_t a = dh_alloc(&c);
@@ -341,7 +334,7 @@ static void test_shm_registration_refused(void **unused)
 {
     dh_daemon d;
     dh_client c;
-    start(&d);
+    dh_start_or_skip(&d, yaml);
     dh_connect(&c, &d);
     dh_hello(&c);
 
@@ -423,7 +416,7 @@ static void test_shm_release_and_lifetime(void **unused)
     dh_layer l;
     dh_seq s;
     test_rng r;
-    start(&d);
+    dh_start_or_skip(&d, yaml);
     rng_seed(&r, 23);
     setup_client(&c, &d, &l, &r);
     dh_seq_make(&s, &r, 3000);
