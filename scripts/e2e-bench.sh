@@ -22,7 +22,8 @@
 # rows over the frame ring (kdactl bench --ring) with clients polling for 2 ms after each
 # answer; E2E_ONLY=ring compares it with the socket ("spin-2ms") and with sleeping clients
 # ("ring"); E2E_ONLY=ring64 the same on H = 64.  E2E_ONLY=nobatch runs only the batching-off rows,
-# E2E_ONLY=ipc only the device-memory rows (CUDA IPC and VMM, all variants), E2E_ONLY=ring
+# E2E_ONLY=ipc only the device-memory rows (CUDA IPC and VMM, all variants), E2E_ONLY=depth2
+# only the two-in-flight rows, E2E_ONLY=ring
 # only the ring comparison, for quick checks.  E2E_ONLY=ab runs the single-client ring rows
 # over VMM (H96, H64) for BIN_DIR and for another build's kdad and kdactl in BASE_BIN,
 # interleaved twice: an A/B within one call.
@@ -175,18 +176,26 @@ if [ -z "$only" ] || [ "$only" = ipc ]; then
   rm -f "$block_cfg"
 fi
 
-# The client side: spinning instead of sleeping, and clients with two requests in flight.
-if [ -z "$only" ] || [ "$only" = ipc ]; then
-  start_kdad 96 bench/e2e-h200.yaml || exit 1
-  variant=spin client_args="--spin 200"
-  latency_rows 96 cuda-ipc cuda-vmm
-  ring_rows 96 "ring-spin:--ring --spin 2000"
+depth2_rows() {  # 8 clients with two requests in flight each
   variant=depth2 client_args=""
   for t in cuda-ipc cuda-vmm; do
     measure "H96 clients x 1024" --tokens 1024 --dist fixed --seqs 1 --clients 8 --depth 2 \
       --requests 200 --transport $t
   done
   variant=poll
+}
+
+# The client side: spinning instead of sleeping, and clients with two requests in flight.
+if [ -z "$only" ] || [ "$only" = ipc ]; then
+  start_kdad 96 bench/e2e-h200.yaml || exit 1
+  variant=spin client_args="--spin 200"
+  latency_rows 96 cuda-ipc cuda-vmm
+  ring_rows 96 "ring-spin:--ring --spin 2000"
+  depth2_rows
+  stop_kdad
+elif [ "$only" = depth2 ]; then
+  start_kdad 96 bench/e2e-h200.yaml || exit 1
+  depth2_rows
   stop_kdad
 fi
 

@@ -13,7 +13,7 @@ Every row also carries where the daemon's time went:
   daemon_{queue,run,device,kernel}_us_p50  medians of the per-request times in
       the prefill results (queue: arrival to launch; run: launch to the batch
       seen done; device: the batch's GPU time, first copy in to last copy out;
-      kernel: the graph replay alone)
+      kernel: the kernel alone, between the graph's events)
   daemon_run_us, daemon_queue_us           the same means (as before)
   batch_phases_us                          per phase, the mean over the
       measurement's batches (from the stats batch_us sums before and after it):
