@@ -23,7 +23,8 @@
 # answer; E2E_ONLY=ring compares it with the socket ("spin-2ms") and with sleeping clients
 # ("ring"); E2E_ONLY=ring64 the same on H = 64.  E2E_ONLY=nobatch runs only the batching-off rows,
 # E2E_ONLY=ipc only the device-memory rows (CUDA IPC and VMM, all variants), E2E_ONLY=depth2
-# only the two-in-flight rows, E2E_ONLY=ring
+# only the two-in-flight rows, E2E_ONLY=align the mixed rows packed against sequences at
+# 2 MiB boundaries (kdactl bench --align), E2E_ONLY=ring
 # only the ring comparison, for quick checks.  E2E_ONLY=ab runs the single-client ring rows
 # over VMM (H96, H64) for BIN_DIR and for another build's kdad and kdactl in BASE_BIN,
 # interleaved twice: an A/B within one call.
@@ -193,6 +194,23 @@ if [ -z "$only" ] || [ "$only" = ipc ]; then
   ring_rows 96 "ring-spin:--ring --spin 2000"
   depth2_rows
   stop_kdad
+elif [ "$only" = align ]; then
+  # Is the CUDA IPC slowdown of the mixed batch about where its sequences start?  Packed (as
+  # a varlen batch holds them) against every sequence at a multiple of 2 MiB.
+  for heads in 96 64; do
+    start_kdad $heads bench/e2e-h200.yaml || exit 1
+    for round in 1 2; do
+      for align in 256 2097152; do
+        for t in cuda-ipc cuda-vmm; do
+          variant="ring-spin align $align"
+          measure "H$heads mixed" --lengths "$mixed" --transport $t --requests 100 --warmup 2 \
+            --ring --spin 2000 --align $align
+        done
+      done
+    done
+    stop_kdad
+  done
+  variant=poll
 elif [ "$only" = depth2 ]; then
   start_kdad 96 bench/e2e-h200.yaml || exit 1
   depth2_rows

@@ -380,6 +380,19 @@ static void test_bench(void **state)
     assert_int_equal(jint(o, "seqs_per_request"), 6);
     assert_int_equal(jint(o, "tokens"), 4 * 819);
     assert_string_equal(jstr(o, "dist"), "list");
+    assert_int_equal(jint(o, "align"), 256);
+    json_object_put(o);
+    cmd_free(&r);
+    /* The same with every sequence at a multiple of 1 MiB: the padded layout stays inside the
+     * region (a reference past it would fail the requests with REGION_BOUNDS) */
+    r = kdactl(S, "--json", "bench", "--requests", "4", "--clients", "2", "--depth", "2",
+               "--lengths", "130,55,205,96,27,306", "--transport", "shm", "--align", "1048576",
+               NULL);
+    expect_exit(&r, 0);
+    o = json_out(&r);
+    assert_int_equal(jint(o, "requests"), 4);
+    assert_int_equal(jint(o, "errors"), 0);
+    assert_int_equal(jint(o, "align"), 1048576);
     json_object_put(o);
     cmd_free(&r);
     r = kdactl(S, "bench", "--duration", "1", "--dist", "uniform", "--tokens", "16",
@@ -561,7 +574,8 @@ static void test_usage_and_help(void **state)
     const char *bad[][4] = {{"frobnicate", NULL}, {"slot", NULL}, {"slot", "fork", NULL},
                             {"prefill", "--random", NULL}, {"bench", "--dist", "zipf", NULL},
                             {"layer", "register", "x", NULL}, {"ping", "--count", "0", NULL},
-                            {"bench", "--lengths", "5,x", NULL}};
+                            {"bench", "--lengths", "5,x", NULL}, {"bench", "--align", "3000", NULL},
+                            {"bench", "--align", "128", NULL}};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         r = kdactl(S, bad[i][0], bad[i][1], bad[i][2], bad[i][3], NULL);
         if (r.status != 2)

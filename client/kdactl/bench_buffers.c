@@ -16,20 +16,27 @@ static uint64_t align16(uint64_t x)
     return (x + 15) & ~(uint64_t)15;
 }
 
-static void layout(bench_layout *l, uint32_t heads, uint32_t seqs, uint32_t max_len, uint64_t max_total)
+/* Packed (align BENCH_PACKED: token blocks are multiples of it already), or every sequence's
+ * blocks padded to a multiple of align. */
+static void layout(bench_layout *l, uint32_t heads, uint32_t seqs, uint32_t max_len, uint64_t max_total,
+                   uint64_t align)
 {
+    const bool padded = align > BENCH_PACKED;
     uint64_t block = kdac_token_bytes(max_total, heads); /* a multiple of 256 */
+    if (padded)
+        block = bench_align(block + seqs * align, align);
     for (int t = 0; t < 4; t++)
         l->tensor[t] = t * block;
     l->beta = 4 * block;
-    l->beta_stride = align16(kdac_beta_bytes(max_len, heads));
+    l->beta_stride = padded ? bench_align(kdac_beta_bytes(max_len, heads), align)
+                            : align16(kdac_beta_bytes(max_len, heads));
     l->inputs = l->beta + seqs * l->beta_stride;
     l->out_block = block;
 }
 
 int bench_data_init(bench_data *d, bench_transport t, uint32_t heads, uint32_t seqs,
-                    uint32_t max_len, uint64_t max_total, uint32_t nout, uint64_t seed, char *why,
-                    size_t size)
+                    uint32_t max_len, uint64_t max_total, uint64_t align, uint32_t nout,
+                    uint64_t seed, char *why, size_t size)
 {
     memset(d, 0, sizeof(*d));
     d->shm.fd = -1;
@@ -37,7 +44,7 @@ int bench_data_init(bench_data *d, bench_transport t, uint32_t heads, uint32_t s
     d->heads = heads;
     d->seqs = seqs;
     d->max_len = max_len;
-    layout(&d->lay, heads, seqs, max_len, max_total);
+    layout(&d->lay, heads, seqs, max_len, max_total, align);
     d->image = malloc(d->lay.inputs);
     if (!d->image) {
         snprintf(why, size, "cannot allocate %llu bytes of inputs",
@@ -122,11 +129,10 @@ void bench_region_free(bench_region *r, kdac_client *c)
     memset(r, 0, sizeof(*r));
 }
 
-void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint64_t first,
+void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint64_t at,
                        uint32_t slot, kdac_seq *s)
 {
     const bench_layout *l = &d->lay;
-    uint64_t at = kdac_token_bytes(first, d->heads);
     uint64_t beta = l->beta + j * l->beta_stride;
     kdac_tensor *in[4] = {&s->q, &s->k, &s->v, &s->g};
     if (d->transport == BENCH_INLINE) {

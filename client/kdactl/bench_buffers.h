@@ -14,7 +14,10 @@
  * Layout of an image: q, k, v, g as [T][H][128], T the most tokens a request
  * holds (its sequences packed back to back from token 0, as a varlen batch
  * holds them), then S beta blocks of L * H bf16, each 16-byte aligned, then
- * the output blocks, each [T][H][128] and packed the same way.
+ * the output blocks, each [T][H][128] and packed the same way.  With an
+ * alignment A above BENCH_PACKED (kdactl bench --align), every sequence's
+ * tensors, beta block and output start at a multiple of A from the region's
+ * start instead (the blocks grow by the padding).
  */
 #ifndef KDACTL_BENCH_BUFFERS_H
 #define KDACTL_BENCH_BUFFERS_H
@@ -23,6 +26,13 @@
 #include <stdint.h>
 
 #include "kdaclient.h"
+
+#define BENCH_PACKED 256 /* the default alignment: token blocks are multiples of it already */
+
+static inline uint64_t bench_align(uint64_t x, uint64_t a) /* a: a power of two */
+{
+    return (x + a - 1) & ~(a - 1);
+}
 
 typedef enum bench_transport { BENCH_INLINE, BENCH_SHM, BENCH_CUDA_IPC, BENCH_CUDA_VMM } bench_transport;
 
@@ -52,11 +62,12 @@ typedef struct bench_region {
 
 /* Fills random inputs for requests of `seqs` sequences of at most max_len
  * tokens and max_total tokens in all (each tensor a block of max_total
- * tokens, a request's sequences packed from its start); with shm, room for
- * nout output blocks.  Returns 0, or an exit code with why set. */
+ * tokens, a request's sequences packed from its start, each at a multiple of
+ * align); with shm, room for nout output blocks.  Returns 0, or an exit code
+ * with why set. */
 int bench_data_init(bench_data *d, bench_transport t, uint32_t heads, uint32_t seqs,
-                    uint32_t max_len, uint64_t max_total, uint32_t nout, uint64_t seed, char *why,
-                    size_t size);
+                    uint32_t max_len, uint64_t max_total, uint64_t align, uint32_t nout,
+                    uint64_t seed, char *why, size_t size);
 void bench_data_free(bench_data *d);
 
 /* Registers what client `index` (with `depth` requests in flight) uses.
@@ -65,9 +76,9 @@ int bench_region_init(bench_region *r, const bench_data *d, kdac_client *c, uint
                       uint32_t depth, kdac_error *err);
 void bench_region_free(bench_region *r, kdac_client *c);
 
-/* The tensors of sequence j of a request in flight slot `slot` of a client, whose tokens
- * start at token `first` of the request (the lengths of the sequences before it). */
-void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint64_t first,
+/* The tensors of sequence j of a request in flight slot `slot` of a client, starting `at`
+ * bytes into each of the request's token blocks (after the sequences before it). */
+void bench_seq_tensors(const bench_data *d, const bench_region *r, uint32_t j, uint64_t at,
                        uint32_t slot, kdac_seq *s);
 
 #ifdef KDACTL_WITH_CUDA

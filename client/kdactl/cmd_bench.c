@@ -27,7 +27,7 @@ static const char bench_help[] =
     "Usage: kdactl bench [--clients C] [--depth D] [--requests N | --duration SEC]\n"
     "                    [--tokens T] [--dist fixed|mixed|uniform] [--seqs S]\n"
     "                    [--lengths L1,L2,...] [--transport inline|shm|cuda-ipc|cuda-vmm]\n"
-    "                    [--warmup W] [--seed X] [--spin US] [--ring]\n"
+    "                    [--warmup W] [--seed X] [--spin US] [--ring] [--align BYTES]\n"
     "\n"
     "Load generator: C connections each keep D prefill requests of S sequences in\n"
     "flight (every sequence on its own slot), until N requests completed (default 100)\n"
@@ -55,7 +55,10 @@ static const char bench_help[] =
     "                         for a core's time (libkdaclient: kdac_client_set_spin)\n"
     "  -r, --ring             frames through a shared memory ring instead of the socket\n"
     "                         (kdac_ring_attach); with --spin the answers come without a\n"
-    "                         system call on either side\n";
+    "                         system call on either side\n"
+    "  -A, --align BYTES      start every sequence's tensors and output at a multiple of\n"
+    "                         BYTES in the region (a power of two; default 256: packed back\n"
+    "                         to back, as a varlen batch holds them)\n";
 
 typedef enum dist { DIST_FIXED, DIST_UNIFORM, DIST_MIXED, DIST_LIST } dist;
 static const char *const dist_names[] = {"fixed", "uniform", "mixed", "list"};
@@ -69,6 +72,7 @@ typedef struct bench_opts {
     uint64_t clients, depth, requests, tokens, seqs, warmup, seed;
     uint64_t spin_us; /* poll the sockets without sleeping this long after each answer */
     bool ring;        /* frames through a ring (kdac_ring_attach) */
+    uint64_t align;   /* each sequence's tensors start at a multiple of this (bench_buffers.h) */
     double duration; /* 0: count mode */
     dist dist;
     bench_transport transport;
@@ -190,16 +194,19 @@ static bool more_to_send(const bench *b)
 static void done_cb(kdac_client *c, void *data, const kdac_result *res, int status);
 
 /* Fills request r's sequences with fresh lengths, packed back to back as in a varlen batch
-   (spread max_len apart, a mixed request spanned twice the addresses a real batch does). */
+   (spread max_len apart, a mixed request spanned twice the addresses a real batch does), each
+   starting at a multiple of --align. */
 static void fill_req(bench *b, bench_req *r)
 {
+    uint64_t at = 0;
     r->tokens = 0;
     for (uint32_t j = 0; j < b->o.seqs; j++) {
         kdac_seq *s = &r->seqs[j];
         memset(s, 0, sizeof(*s));
         s->slot = r->bc->slots[r->slot * b->o.seqs + j];
         s->len = next_len(b, j);
-        bench_seq_tensors(&b->data, &r->bc->reg, j, r->tokens, r->slot, s);
+        bench_seq_tensors(&b->data, &r->bc->reg, j, at, r->slot, s);
+        at = bench_align(at + kdac_token_bytes(s->len, b->data.heads), b->o.align);
         r->tokens += s->len;
     }
 }
@@ -361,7 +368,8 @@ static int setup(bench *b)
             char why[256];
             if ((rc = bench_data_init(&b->data, b->o.transport, info->heads,
                                       (uint32_t)b->o.seqs, max_len(&b->o), max_total(&b->o),
-                                      (uint32_t)(b->o.clients * b->o.depth), b->o.seed, why,
+                                      b->o.align, (uint32_t)(b->o.clients * b->o.depth),
+                                      b->o.seed, why,
                                       sizeof(why))))
                 return ctl_error(b->g, rc, "bench: %s", why);
             layer_weights w;
@@ -477,6 +485,7 @@ static void report(bench *b, double seconds)
             json_object_object_add(o, "lengths", l);
         }
         json_object_object_add(o, "tokens_mean", json_u64(b->o.tokens));
+        json_object_object_add(o, "align", json_u64(b->o.align));
         json_object_object_add(o, "requests", json_u64(ok));
         json_object_object_add(o, "errors", json_u64(b->errors));
         json_object_object_add(o, "tokens", json_u64(b->tokens));
@@ -508,11 +517,12 @@ static void report(bench *b, double seconds)
         return;
     }
     printf("bench: %s (backend %s, %u heads), transport %s%s, %llu clients x %llu in flight, "
-           "%llu seq%s/request, %s lengths, mean %llu tokens\n", info->server, info->backend,
-           info->heads, transport_names[b->o.transport], b->o.ring ? " over a frame ring" : "",
-           (unsigned long long)b->o.clients,
+           "%llu seq%s/request, %s lengths, mean %llu tokens, aligned to %llu bytes\n",
+           info->server, info->backend, info->heads, transport_names[b->o.transport],
+           b->o.ring ? " over a frame ring" : "", (unsigned long long)b->o.clients,
            (unsigned long long)b->o.depth, (unsigned long long)b->o.seqs,
-           b->o.seqs == 1 ? "" : "s", dist_names[b->o.dist], (unsigned long long)b->o.tokens);
+           b->o.seqs == 1 ? "" : "s", dist_names[b->o.dist], (unsigned long long)b->o.tokens,
+           (unsigned long long)b->o.align);
     printf("  requests   %llu ok, %llu failed in %.2f s\n", (unsigned long long)ok,
            (unsigned long long)b->errors, seconds);
     printf("  throughput %.1f requests/s, %.0f tokens/s\n", rps, tps);
@@ -536,11 +546,12 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         {"transport", required_argument, NULL, 'x'}, {"warmup", required_argument, NULL, 'w'},
         {"seed", required_argument, NULL, 's'},     {"lengths", required_argument, NULL, 'L'},
         {"spin", required_argument, NULL, 'P'},     {"ring", no_argument, NULL, 'r'},
-        {NULL, 0, NULL, 0}};
-    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, false, 0, DIST_FIXED, BENCH_INLINE, {0}};
+        {"align", required_argument, NULL, 'A'},    {NULL, 0, NULL, 0}};
+    *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, false, BENCH_PACKED, 0, DIST_FIXED,
+                      BENCH_INLINE, {0}};
     bool has_requests = false, has_shape = false;
     int opt;
-    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:P:r", opts, NULL)) != -1) {
+    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:P:rA:", opts, NULL)) != -1) {
         uint64_t *target = NULL, max = 0, min = 1;
         switch (opt) {
         case 'h':
@@ -571,6 +582,12 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         }
         case 'w': target = &o->warmup; max = 1000; min = 0; break;
         case 'r': o->ring = true; break;
+        case 'A':
+            if (!parse_u64(optarg, BENCH_PACKED, 1ull << 30, &o->align) ||
+                (o->align & (o->align - 1)))
+                return ctl_usage("bench", "--align: '%s' is not a power of two in [%d, 2^30]",
+                                 optarg, BENCH_PACKED);
+            break;
         case 'P': target = &o->spin_us; max = 1000000; min = 0; break;
         case 's': target = &o->seed; max = UINT64_MAX / 16; min = 0; break;
         case 'D':
