@@ -994,6 +994,19 @@ int kp_prefill_result_encode(kp_writer *w, uint32_t id, const kp_prefill_result 
  * sequence, with inline out of the right size exactly where req had no out. */
 int kp_prefill_result_decode(kp_msg *msg, const kp_session *s, const kp_prefill_params *req,
                              kp_prefill_result *r, kp_error *err);
+/* The id of a response frame body [1, id, ...], read without decoding it; false if the body
+ * does not start that way. */
+bool kp_response_peek_id(const void *body, size_t len, uint32_t *id);
+/*
+ * The client's hot path: reads a whole frame body that is the success
+ * result of prefill request req in one pass over its bytes.  Returns true
+ * with *r filled as kp_msg_decode + kp_prefill_result_decode fill it, except
+ * that the positions go to pos[0 .. req->nseqs) and r->seqs stays NULL;
+ * false for anything else, and always when a sequence of req takes its
+ * output inline: decode it the general way.
+ */
+bool kp_prefill_result_read(const void *body, size_t len, uint64_t max_frame,
+                            const kp_prefill_params *req, uint64_t *pos, kp_prefill_result *r);
 
 /* Returns the size of region `region` in *size, or KP_E_REGION_INVALID. */
 typedef int (*kp_region_size_fn)(void *ctx, uint32_t region, uint64_t *size);

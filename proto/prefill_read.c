@@ -1,16 +1,18 @@
 /*
- * prefill_read.c - the one-pass reader of prefill requests (the daemon's hot
- * path): a whole frame [0, id, "prefill", {layer, seqs}] read straight from
- * its bytes, without pre-validation scan, msgpack object tree or field
- * tables.
+ * prefill_read.c - the one-pass readers of prefill frames, the hot paths of
+ * both sides: a whole request [0, id, "prefill", {layer, seqs}] (the
+ * daemon's) or a whole result [1, id, nil, {seqs, queue_us, ...}] (the
+ * client's) read straight from its bytes, without pre-validation scan,
+ * msgpack object tree or field tables.
  *
- * It is an accelerator, not a second decoder with its own verdicts: it
- * accepts a frame only when kp_msg_decode + kp_prefill_params_decode would
- * accept it and fill the same kp_prefill_params (tests/test_proto_prefill.c
- * holds it to that on every refused edit and on random and mutated
- * requests), and declines everything else, including valid frames it does
- * not bother with (signed-integer encodings of non-negative numbers, say).
- * A declined frame takes the general path, whose errors name the field.
+ * Each is an accelerator, not a second decoder with its own verdicts: it
+ * accepts a frame only when kp_msg_decode + kp_prefill_params_decode (or
+ * kp_prefill_result_decode) would accept it and fill the same values
+ * (tests/test_proto_prefill.c holds them to that on every refused edit and
+ * on random and mutated frames), and declines everything else, including
+ * valid frames it does not bother with (signed-integer encodings of
+ * non-negative numbers, keys it does not know, say).  A declined frame
+ * takes the general path, whose errors name the field.
  *
  * Bounds it keeps without the scanner: every read checks the bytes left;
  * nothing is allocated before the count it sizes is checked against a limit
@@ -316,5 +318,69 @@ bool kp_prefill_request_read(kp_msg *msg, const void *body, size_t len, uint64_t
     msg->id = (uint32_t)id;
     msg->method = KP_METHOD_PREFILL;
     msg->name = kp_method_name(KP_METHOD_PREFILL);
+    return true;
+}
+
+static const known_key result_keys[] = {KEY("seqs"), KEY("queue_us"), KEY("run_us"),
+                                        KEY("device_us"), KEY("kernel_us")};
+static const known_key seq_result_keys[] = {KEY("pos")};
+
+/* The result's seqs: one {"pos": u} per sequence of the request. */
+static bool read_positions(reader *r, uint32_t nseqs, uint64_t *pos)
+{
+    uint32_t n, nkeys;
+    if (!take_array(r, &n) || n != nseqs)
+        return false;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t seen = 0;
+        int next = 0;
+        if (!take_map(r, &nkeys) || nkeys != 1 ||
+            take_key(r, seq_result_keys, NKEYS(seq_result_keys), &seen, &next) != 0 ||
+            !take_uint(r, &pos[i]))
+            return false;
+    }
+    return true;
+}
+
+bool kp_response_peek_id(const void *body, size_t len, uint32_t *id)
+{
+    reader r = {body, (const uint8_t *)body + len};
+    uint32_t n;
+    uint64_t type, v;
+    if (!take_array(&r, &n) || n != 4 || !take_uint(&r, &type) || type != KP_MSG_RESPONSE ||
+        !take_uint(&r, &v) || v > UINT32_MAX)
+        return false;
+    *id = (uint32_t)v;
+    return true;
+}
+
+bool kp_prefill_result_read(const void *body, size_t len, uint64_t max_frame,
+                            const kp_prefill_params *req, uint64_t *pos, kp_prefill_result *res)
+{
+    reader r = {body, (const uint8_t *)body + len};
+    uint32_t n, nkeys, seen = 0;
+    uint64_t type, id;
+    int next = 0;
+    memset(res, 0, sizeof(*res));
+    for (uint32_t i = 0; i < req->nseqs; i++) {
+        if (req->seqs[i].len > 0 && req->seqs[i].out.kind == KP_REF_ABSENT)
+            return false; /* its output comes inline */
+    }
+    if (len == 0 || len > max_frame || !take_array(&r, &n) || n != 4 || !take_uint(&r, &type) ||
+        type != KP_MSG_RESPONSE || !take_uint(&r, &id) || id > UINT32_MAX || !take_nil(&r) ||
+        !take_map(&r, &nkeys) || nkeys > NKEYS(result_keys))
+        return false;
+    uint64_t *value[] = {NULL, &res->queue_us, &res->run_us, &res->device_us, &res->kernel_us};
+    for (uint32_t k = 0; k < nkeys; k++) {
+        int key = take_key(&r, result_keys, NKEYS(result_keys), &seen, &next);
+        bool ok = key == 0 ? read_positions(&r, req->nseqs, pos)
+                           : key > 0 && take_uint(&r, value[key]);
+        if (!ok)
+            return false;
+    }
+    if ((seen & 7) != 7 || r.p != r.end)
+        return false; /* seqs, queue_us and run_us are required */
+    res->nseqs = req->nseqs;
+    res->timed = seen & 1u << 3;
     return true;
 }

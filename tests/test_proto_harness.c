@@ -348,6 +348,45 @@ bool prefill_read_agrees(const void *body, size_t len, const kp_session *s, bool
     return valid;
 }
 
+bool prefill_result_read_agrees(const void *body, size_t len, const kp_prefill_params *req,
+                                bool must_read)
+{
+    kp_msg full;
+    kp_prefill_result want, got;
+    kp_error err;
+    kp_msg_init(&full);
+    bool valid = kp_msg_decode(&full, body, len, KP_DEFAULT_MAX_FRAME_BYTES, &err) == KP_OK &&
+                 full.kind == KP_MSG_RESPONSE && full.result &&
+                 kp_prefill_result_decode(&full, &test_session, req, &want, &err) == KP_OK;
+    uint64_t *pos = malloc((req->nseqs ? req->nseqs : 1) * sizeof(*pos));
+    assert_non_null(pos);
+    bool read = kp_prefill_result_read(body, len, KP_DEFAULT_MAX_FRAME_BYTES, req, pos, &got);
+    if (read && !valid)
+        fail_msg("the one-pass result reader accepted a frame the decoder refuses: %s",
+                 err.message);
+    if (valid && must_read && !read)
+        fail_msg("the one-pass result reader declined a valid result");
+    if (read) {
+        uint32_t id = 0;
+        assert_true(kp_response_peek_id(body, len, &id));
+        assert_int_equal(id, full.id);
+        assert_int_equal(got.nseqs, want.nseqs);
+        assert_null(got.seqs);
+        for (uint32_t i = 0; i < want.nseqs; i++) {
+            assert_int_equal(pos[i], want.seqs[i].pos);
+            assert_int_equal(want.seqs[i].out.kind, KP_REF_ABSENT);
+        }
+        assert_int_equal(got.queue_us, want.queue_us);
+        assert_int_equal(got.run_us, want.run_us);
+        assert_int_equal(got.timed, want.timed);
+        assert_int_equal(got.device_us, want.device_us);
+        assert_int_equal(got.kernel_us, want.kernel_us);
+    }
+    free(pos);
+    kp_msg_close(&full);
+    return valid;
+}
+
 void expect_refused(edit *e, int code, const char *substr)
 {
     expect_refused_with(e, &test_session, code, substr);

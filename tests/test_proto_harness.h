@@ -133,6 +133,11 @@ void expect_accepted(edit *e);
  * must_read, when the reader declines a valid request.  Returns whether the
  * frame is a valid prefill request.  Prefill edits check this too. */
 bool prefill_read_agrees(const void *body, size_t len, const kp_session *s, bool must_read);
+/* The same for a prefill result answering req: the general decoder (kp_msg_decode +
+ * kp_prefill_result_decode) against kp_prefill_result_read and kp_response_peek_id.  Returns
+ * whether the frame is a valid result of req. */
+bool prefill_result_read_agrees(const void *body, size_t len, const kp_prefill_params *req,
+                                bool must_read);
 
 /* ---------------------------------------------------------------------- */
 /* The valid prefill                                                      */

@@ -515,6 +515,7 @@ static void expect_result_refused(const kp_prefill_result *r, const kp_prefill_p
     open_result(&x, 1);
     expect_error(kp_prefill_result_decode(&x.msg, &test_session, req, &got, &err), &err,
                  KP_E_PROTOCOL, substr);
+    assert_false(prefill_result_read_agrees(x.frame + 4, x.len - 4, req, false));
     wire_close(&x);
 }
 
@@ -544,6 +545,180 @@ static void test_prefill_result_checked(void **state)
 
     r.nseqs = 3;
     expect_result_refused(&r, &req, "seqs: 3 results for 4 sequences");
+    free(out);
+}
+
+/* A value of every integer form, and its boundaries. */
+static uint64_t random_u64(uint64_t *rng)
+{
+    static const uint64_t edges[] = {0, 1, 127, 128, 255, 256, 65535, 65536, 4294967295ull,
+                                     4294967296ull, UINT64_MAX};
+    if (next_rng(rng) % 2)
+        return edges[next_rng(rng) % (sizeof(edges) / sizeof(edges[0]))];
+    uint64_t v = next_rng(rng); /* one call per statement: a deterministic sequence */
+    return v << (next_rng(rng) % 32);
+}
+
+/* The one-pass result reader against the decoder: random results of random requests (some
+ * with inline output, which it leaves to the decoder), and their mutants. */
+static void test_prefill_result_read_agrees_random(void **state)
+{
+    (void)state;
+    static uint8_t data[TOK_BYTES(4)];
+    uint64_t rng = 29;
+    int valid = 0, read = 0, mutated_valid = 0, mutated_read = 0, rounds = 1000;
+    for (int round = 0; round < rounds; round++) {
+        kp_prefill_seq seqs[16];
+        kp_prefill_seq_result rs[16];
+        const uint32_t n = 1 + (uint32_t)(next_rng(&rng) % 16);
+        bool inline_out = false;
+        memset(seqs, 0, sizeof(seqs));
+        memset(rs, 0, sizeof(rs));
+        for (uint32_t i = 0; i < n; i++) {
+            seqs[i].len = next_rng(&rng) % 5 == 0 ? 0 : 1 + (uint32_t)(next_rng(&rng) % 4);
+            if (seqs[i].len > 0 && next_rng(&rng) % 8 != 0)
+                seqs[i].out = kp_ref_region(1, 0, TOK_BYTES(seqs[i].len));
+            else if (seqs[i].len > 0)
+                rs[i].out = kp_ref_inline(data, TOK_BYTES(seqs[i].len));
+            inline_out |= rs[i].out.kind == KP_REF_INLINE;
+            rs[i].pos = random_u64(&rng);
+        }
+        kp_prefill_params req = {.layer = "L", .seqs = seqs, .nseqs = n};
+        kp_prefill_result r = {.seqs = rs, .nseqs = n};
+        r.queue_us = random_u64(&rng);
+        r.run_us = random_u64(&rng);
+        r.timed = next_rng(&rng) % 2;
+        r.device_us = r.timed ? random_u64(&rng) : 0;
+        r.kernel_us = r.timed ? random_u64(&rng) : 0;
+        ENC(kp_prefill_result_encode(&test_writer, (uint32_t)random_u64(&rng), &r, &enc_err_));
+        uint8_t *frame;
+        size_t len;
+        kp_error err;
+        assert_int_equal(kp_writer_flatten(&test_writer, &frame, &len, &err), KP_OK);
+        valid += prefill_result_read_agrees(frame + 4, len - 4, &req, !inline_out);
+        read += !inline_out;
+        /* Mutants as for requests: one to three bytes replaced, one in four cut short, each
+         * in a buffer of its own size. */
+        static const uint8_t values[] = {0x00, 0x01, 0x7f, 0x80, 0x81, 0x85, 0x8f, 0x90, 0x91,
+                                         0xa3, 0xa6, 0xc0, 0xc2, 0xcc, 0xcd, 0xce, 0xcf, 0xd0,
+                                         0xd3, 0xdc, 0xde, 0xe0, 0xff};
+        for (int m = 0; m < 24; m++) {
+            size_t body = len - 4;
+            uint8_t *mutant = malloc(body);
+            assert_non_null(mutant);
+            memcpy(mutant, frame + 4, body);
+            for (uint64_t edits = 1 + next_rng(&rng) % 3; edits > 0; edits--) {
+                size_t at = next_rng(&rng) % body;
+                uint64_t how = next_rng(&rng) % 3;
+                mutant[at] = how == 0   ? values[next_rng(&rng) % sizeof(values)]
+                             : how == 1 ? (uint8_t)next_rng(&rng)
+                                        : (uint8_t)(mutant[at] ^ 1u << next_rng(&rng) % 8);
+            }
+            if (next_rng(&rng) % 4 == 0)
+                body = 1 + next_rng(&rng) % body;
+            uint64_t pos[16];
+            kp_prefill_result got;
+            mutated_read += kp_prefill_result_read(mutant, body, UINT32_MAX, &req, pos, &got);
+            mutated_valid += prefill_result_read_agrees(mutant, body, &req, false);
+            free(mutant);
+        }
+        free(frame);
+    }
+    print_message("%d of %d results valid, %d read; mutated: %d valid, %d read\n", valid,
+                  rounds, read, mutated_valid, mutated_read);
+    assert_int_equal(valid, rounds);
+    assert_true(read > rounds / 4 && read < rounds);
+    assert_true(mutated_valid > rounds && mutated_read > rounds / 2);
+}
+
+/* Results the reader takes in any key order, and the ones it leaves to the decoder. */
+static void test_prefill_result_read_forms(void **state)
+{
+    kp_prefill_seq seqs[2];
+    memset(seqs, 0, sizeof(seqs));
+    seqs[0].len = 3;
+    seqs[0].out = kp_ref_region(1, 0, TOK_BYTES(3));
+    kp_prefill_params req = {.layer = "L", .seqs = seqs, .nseqs = 2};
+    /* [1, 7, nil, {...}] in the bytes a daemon might send */
+    static const uint8_t head[] = {0x94, 0x01, 0x07, 0xc0};
+    static const uint8_t seqs_kv[] = {0xa4, 's', 'e', 'q', 's', 0x92, 0x81, 0xa3, 'p', 'o', 's',
+                                      0x03, 0x81, 0xa3, 'p', 'o', 's', 0xcc, 0xc8};
+    static const uint8_t queue_kv[] = {0xa8, 'q', 'u', 'e', 'u', 'e', '_', 'u', 's', 0x05};
+    static const uint8_t run_kv[] = {0xa6, 'r', 'u', 'n', '_', 'u', 's', 0xcd, 0x01, 0x2c};
+    static const uint8_t device_kv[] = {0xa9, 'd', 'e', 'v', 'i', 'c', 'e', '_', 'u', 's', 0x64};
+    static const uint8_t extra_kv[] = {0xa5, 'n', 'e', 'w', 'e', 'r', 0xc3};
+    static const uint8_t device_nil[] = {0xa9, 'd', 'e', 'v', 'i', 'c', 'e', '_', 'u', 's', 0xc0};
+    static const uint8_t error_map[] = {0x94, 0x01, 0x07, 0x80, 0xc0};
+    static const uint8_t trailing[] = {0x00};
+    const struct {
+        const uint8_t *kv[4];
+        size_t n[4];
+        uint8_t map;
+        bool read, valid;
+    } cases[] = {
+        /* the encoder's order, untimed and timed (device_us alone is valid) */
+        {{seqs_kv, queue_kv, run_kv}, {sizeof(seqs_kv), sizeof(queue_kv), sizeof(run_kv)}, 0x83,
+         true, true},
+        {{device_kv, run_kv, seqs_kv, queue_kv},
+         {sizeof(device_kv), sizeof(run_kv), sizeof(seqs_kv), sizeof(queue_kv)}, 0x84, true, true},
+        /* a key this client does not know: valid, left to the decoder, which ignores it */
+        {{seqs_kv, queue_kv, run_kv, extra_kv},
+         {sizeof(seqs_kv), sizeof(queue_kv), sizeof(run_kv), sizeof(extra_kv)}, 0x84, false, true},
+        /* run_us missing: refused by both */
+        {{seqs_kv, queue_kv}, {sizeof(seqs_kv), sizeof(queue_kv)}, 0x82, false, false},
+        /* a duplicate key: refused by the decoder */
+        {{seqs_kv, queue_kv, run_kv, run_kv},
+         {sizeof(seqs_kv), sizeof(queue_kv), sizeof(run_kv), sizeof(run_kv)}, 0x84, false, false},
+        /* a byte after the result: refused by both */
+        {{seqs_kv, queue_kv, run_kv, trailing},
+         {sizeof(seqs_kv), sizeof(queue_kv), sizeof(run_kv), sizeof(trailing)}, 0x83, false,
+         false},
+        /* device_us nil: left to the decoder */
+        {{seqs_kv, queue_kv, run_kv, device_nil},
+         {sizeof(seqs_kv), sizeof(queue_kv), sizeof(run_kv), sizeof(device_nil)}, 0x84, false,
+         true},
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        uint8_t body[128];
+        size_t len = 0;
+        memcpy(body, head, sizeof(head));
+        len = sizeof(head);
+        body[len++] = cases[c].map;
+        for (int k = 0; k < 4 && cases[c].kv[k]; k++) {
+            memcpy(body + len, cases[c].kv[k], cases[c].n[k]);
+            len += cases[c].n[k];
+        }
+        uint64_t pos[2];
+        kp_prefill_result got;
+        bool valid = prefill_result_read_agrees(body, len, &req, false);
+        bool read = kp_prefill_result_read(body, len, UINT32_MAX, &req, pos, &got);
+        if (valid != cases[c].valid || read != cases[c].read)
+            fail_msg("case %zu: valid %d, read %d", c, valid, read);
+        if (cases[c].read) {
+            assert_int_equal(pos[0], 3);
+            assert_int_equal(pos[1], 200);
+            assert_int_equal(got.run_us, 300);
+            assert_int_equal(got.timed, c == 1);
+        }
+    }
+    /* an error response: its id can be peeked, the reader declines it */
+    uint64_t pos[2];
+    kp_prefill_result got;
+    uint32_t id;
+    assert_false(kp_prefill_result_read(error_map, sizeof(error_map), UINT32_MAX, &req, pos, &got));
+    assert_true(kp_response_peek_id(error_map, sizeof(error_map), &id));
+    assert_int_equal(id, 7);
+    /* a request with inline output: a valid result, always the decoder's */
+    seqs[1].len = 2;
+    void *out = filled(TOK_BYTES(2), 9);
+    kp_prefill_seq_result rs[2] = {{3, {0}}, {2, kp_ref_inline(out, TOK_BYTES(2))}};
+    kp_prefill_result r = {.seqs = rs, .nseqs = 2, .queue_us = 5, .run_us = 300};
+    ENC(kp_prefill_result_encode(&test_writer, 7, &r, &enc_err_));
+    wire x;
+    open_result(&x, 7);
+    assert_true(prefill_result_read_agrees(x.frame + 4, x.len - 4, &req, false));
+    assert_false(kp_prefill_result_read(x.frame + 4, x.len - 4, UINT32_MAX, &req, pos, &got));
+    wire_close(&x);
     free(out);
 }
 
@@ -616,6 +791,10 @@ int main(void)
                                         prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_limits, prefill_setup, prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_result_checked, prefill_setup, prefill_teardown),
+        cmocka_unit_test_setup_teardown(test_prefill_result_read_agrees_random, prefill_setup,
+                                        prefill_teardown),
+        cmocka_unit_test_setup_teardown(test_prefill_result_read_forms, prefill_setup,
+                                        prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_check_regions, prefill_setup, prefill_teardown),
         cmocka_unit_test(test_field_name),
     };

@@ -128,6 +128,17 @@ static int check_slot_list(const uint64_t *slots, uint32_t n, kdac_error *err)
 /* prefill                                                                */
 /* ---------------------------------------------------------------------- */
 
+/* The result's positions are in p->ctx.prefill.pos already. */
+static void prefill_answer(const pending *p, const kp_prefill_result *r, kdac_result *res)
+{
+    res->u.prefill.nseqs = r->nseqs;
+    res->u.prefill.pos = p->ctx.prefill.pos;
+    res->u.prefill.queue_us = r->queue_us;
+    res->u.prefill.run_us = r->run_us;
+    res->u.prefill.device_us = r->device_us;
+    res->u.prefill.kernel_us = r->kernel_us;
+}
+
 static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res,
                           kp_error *err)
 {
@@ -142,13 +153,20 @@ static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *
         if (r.seqs[i].out.kind == KP_REF_INLINE && dst)
             memcpy(dst, r.seqs[i].out.data, r.seqs[i].out.nbytes);
     }
-    res->u.prefill.nseqs = r.nseqs;
-    res->u.prefill.pos = p->ctx.prefill.pos;
-    res->u.prefill.queue_us = r.queue_us;
-    res->u.prefill.run_us = r.run_us;
-    res->u.prefill.device_us = r.device_us;
-    res->u.prefill.kernel_us = r.kernel_us;
+    prefill_answer(p, &r, res);
     return KP_OK;
+}
+
+/* Results without inline output (outputs in regions): kp_prefill_result_read. */
+static bool prefill_read(kdac_client *c, pending *p, const uint8_t *body, size_t len,
+                         kdac_result *res)
+{
+    kp_prefill_params req = {NULL, p->ctx.prefill.seqs, p->ctx.prefill.nseqs};
+    kp_prefill_result r;
+    if (!kp_prefill_result_read(body, len, c->rd.max_frame, &req, p->ctx.prefill.pos, &r))
+        return false;
+    prefill_answer(p, &r, res);
+    return true;
 }
 
 /* One sequence as the codec's; adds its tokens and inline bytes to the sums. */
@@ -207,6 +225,7 @@ int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, u
     pending *p = start(c, KP_METHOD_PREFILL, cb, data, prefill_decode, err);
     if (!p)
         return err ? err->code : KDAC_E_NO_MEMORY;
+    p->read = prefill_read;
     p->ctx.prefill.nseqs = nseqs;
     p->ctx.prefill.seqs = calloc(nseqs, sizeof(kp_prefill_seq));
     p->ctx.prefill.outs = calloc(nseqs, sizeof(void *));

@@ -29,6 +29,10 @@ typedef struct pending pending;
  * asked to be filled).  Returns 0 or a kp_code with err set. */
 typedef int (*decode_fn)(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res,
                          kp_error *err);
+/* The same straight from the frame body, in one pass, for the results that
+ * allow it; false: decode the frame the general way. */
+typedef bool (*read_fn)(kdac_client *c, pending *p, const uint8_t *body, size_t len,
+                        kdac_result *res);
 
 /* One request from submission to completion. */
 struct pending {
@@ -37,6 +41,7 @@ struct pending {
     kdac_cb cb;
     void *data;
     decode_fn decode;
+    read_fn read;           /* NULL: every result goes through decode */
     kp_writer w;            /* its frame; closed once fully written */
     bool writer_open;
     bool sent;              /* every byte of the frame is in the socket */
