@@ -254,6 +254,30 @@ static void random_prefill(uint64_t *rng, kp_prefill_seq *seqs, uint32_t *n, con
     }
 }
 
+/* A mutant of a frame body: one to three bytes replaced (an interesting value, any value, a
+ * flipped bit), one in four also cut short; in a buffer of its own size (*len), so that
+ * reading past its end is caught under ASan.  The caller frees it. */
+static uint8_t *mutant_of(const uint8_t *body, size_t *len, uint64_t *rng)
+{
+    static const uint8_t values[] = {0x00, 0x01, 0x7f, 0x80, 0x81, 0x82, 0x85, 0x8f, 0x90,
+                                     0x91, 0x92, 0xa0, 0xa3, 0xa6, 0xc0, 0xc1, 0xc2, 0xc3,
+                                     0xc4, 0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd3, 0xd9, 0xdc,
+                                     0xde, 0xdf, 0xe0, 0xff};
+    uint8_t *m = malloc(*len);
+    assert_non_null(m);
+    memcpy(m, body, *len);
+    for (uint64_t edits = 1 + next_rng(rng) % 3; edits > 0; edits--) {
+        size_t at = next_rng(rng) % *len;
+        uint64_t how = next_rng(rng) % 3;
+        m[at] = how == 0   ? values[next_rng(rng) % sizeof(values)]
+                : how == 1 ? (uint8_t)next_rng(rng)
+                           : (uint8_t)(m[at] ^ 1u << next_rng(rng) % 8);
+    }
+    if (next_rng(rng) % 4 == 0)
+        *len = 1 + next_rng(rng) % *len;
+    return m;
+}
+
 static void test_prefill_read_agrees_random(void **state)
 {
     (void)state;
@@ -274,26 +298,9 @@ static void test_prefill_read_agrees_random(void **state)
         kp_error err;
         assert_int_equal(kp_writer_flatten(&test_writer, &frame, &len, &err), KP_OK);
         valid += prefill_read_agrees(frame + 4, len - 4, &s, true);
-        /* Mutants: one to three bytes replaced (an interesting value, any value, a
-         * flipped bit), one in four also cut short; each in a buffer of its own
-         * size, so that reading past its end is caught under ASan. */
-        static const uint8_t values[] = {0x00, 0x01, 0x7f, 0x80, 0x82, 0x8f, 0x90, 0x92, 0xa0,
-                                         0xa3, 0xc0, 0xc1, 0xc2, 0xc3, 0xc4, 0xcc, 0xcf, 0xd0,
-                                         0xd9, 0xdc, 0xde, 0xdf, 0xe0, 0xff};
         for (int m = 0; m < 24; m++) {
             size_t body = len - 4;
-            uint8_t *mutant = malloc(body);
-            assert_non_null(mutant);
-            memcpy(mutant, frame + 4, body);
-            for (uint64_t edits = 1 + next_rng(&rng) % 3; edits > 0; edits--) {
-                size_t at = next_rng(&rng) % body;
-                uint64_t how = next_rng(&rng) % 3;
-                mutant[at] = how == 0   ? values[next_rng(&rng) % sizeof(values)]
-                             : how == 1 ? (uint8_t)next_rng(&rng)
-                                        : (uint8_t)(mutant[at] ^ 1u << next_rng(&rng) % 8);
-            }
-            if (next_rng(&rng) % 4 == 0)
-                body = 1 + next_rng(&rng) % body;
+            uint8_t *mutant = mutant_of(frame + 4, &body, &rng);
             kp_msg probe;
             kp_prefill_params got;
             kp_msg_init(&probe);
@@ -597,25 +604,9 @@ static void test_prefill_result_read_agrees_random(void **state)
         assert_int_equal(kp_writer_flatten(&test_writer, &frame, &len, &err), KP_OK);
         valid += prefill_result_read_agrees(frame + 4, len - 4, &req, !inline_out);
         read += !inline_out;
-        /* Mutants as for requests: one to three bytes replaced, one in four cut short, each
-         * in a buffer of its own size. */
-        static const uint8_t values[] = {0x00, 0x01, 0x7f, 0x80, 0x81, 0x85, 0x8f, 0x90, 0x91,
-                                         0xa3, 0xa6, 0xc0, 0xc2, 0xcc, 0xcd, 0xce, 0xcf, 0xd0,
-                                         0xd3, 0xdc, 0xde, 0xe0, 0xff};
         for (int m = 0; m < 24; m++) {
             size_t body = len - 4;
-            uint8_t *mutant = malloc(body);
-            assert_non_null(mutant);
-            memcpy(mutant, frame + 4, body);
-            for (uint64_t edits = 1 + next_rng(&rng) % 3; edits > 0; edits--) {
-                size_t at = next_rng(&rng) % body;
-                uint64_t how = next_rng(&rng) % 3;
-                mutant[at] = how == 0   ? values[next_rng(&rng) % sizeof(values)]
-                             : how == 1 ? (uint8_t)next_rng(&rng)
-                                        : (uint8_t)(mutant[at] ^ 1u << next_rng(&rng) % 8);
-            }
-            if (next_rng(&rng) % 4 == 0)
-                body = 1 + next_rng(&rng) % body;
+            uint8_t *mutant = mutant_of(frame + 4, &body, &rng);
             uint64_t pos[16];
             kp_prefill_result got;
             mutated_read += kp_prefill_result_read(mutant, body, UINT32_MAX, &req, pos, &got);
