@@ -10,6 +10,8 @@
 #ifndef KDA_PROTO_CODEC_H
 #define KDA_PROTO_CODEC_H
 
+#include <string.h>
+
 #include "kdaproto.h"
 
 /* Longest field path we name in messages ("seqs[4095].beta" and the like). */
@@ -137,21 +139,55 @@ void enc_result(kp_writer *w, uint32_t id, uint32_t nfields);
  * and the peer's cap (KP_E_NO_MEMORY, KP_E_FRAME_TOO_LARGE). */
 int enc_finish(kp_writer *w, kp_error *err);
 
-void enc_key(kp_writer *w, const char *key);
+/* Moves the writer's pending bytes into its buffer (writer_room does when they are full). */
+void writer_flush(kp_writer *w);
+
+/* Room for n (<= KP_WRITER_PENDING) bytes at the end of the pending bytes,
+ * which the caller fills: the common small pieces skip the packer's
+ * callback and its copy. */
+static inline uint8_t *writer_room(kp_writer *w, size_t n)
+{
+    if (w->npending + n > sizeof(w->pending))
+        writer_flush(w);
+    uint8_t *at = w->pending + w->npending;
+    w->npending += n;
+    w->body_bytes += n;
+    return at;
+}
+
+/* A string of n < 32 bytes (a fixstr), header and body in one piece. */
+static inline void enc_fixstr(kp_writer *w, const char *s, size_t n)
+{
+    uint8_t *at = writer_room(w, n + 1);
+    at[0] = (uint8_t)(0xa0 | n);
+    memcpy(at + 1, s, n);
+}
+
+/* A map key: a string literal (shorter than 32 bytes, as every key of the
+ * protocol), so its length is known where it is written. */
+#define enc_key(w, key) enc_fixstr((w), "" key, sizeof(key) - 1)
+
 void enc_str(kp_writer *w, const char *s);
+void enc_u64(kp_writer *w, uint64_t v); /* the shortest form */
+void enc_int(kp_writer *w, int64_t v);
+void enc_bool(kp_writer *w, bool v);
+void enc_float(kp_writer *w, float v);
+void enc_nil(kp_writer *w);
 void enc_map(kp_writer *w, uint32_t n);
 void enc_array(kp_writer *w, uint32_t n);
 void enc_bin(kp_writer *w, const void *data, uint64_t n);  /* referenced when large */
-/* key + value pairs */
-void enc_kv_u64(kp_writer *w, const char *key, uint64_t v);
-void enc_kv_int(kp_writer *w, const char *key, int64_t v);
-void enc_kv_bool(kp_writer *w, const char *key, bool v);
-void enc_kv_float(kp_writer *w, const char *key, float v);
-void enc_kv_str(kp_writer *w, const char *key, const char *s);
-void enc_kv_nil(kp_writer *w, const char *key);
-/* key + tensor reference (inline bin or region map) */
-void enc_kv_ref(kp_writer *w, const char *key, const kp_ref *ref);
-void enc_kv_handles(kp_writer *w, const char *key, const uint64_t *v, uint32_t n);
+/* A tensor reference: an inline bin or a region map. */
+void enc_ref(kp_writer *w, const kp_ref *ref);
+void enc_handles(kp_writer *w, const uint64_t *v, uint32_t n);
+/* key + value pairs (literal keys, as enc_key) */
+#define enc_kv_u64(w, key, v) (enc_key(w, key), enc_u64((w), (v)))
+#define enc_kv_int(w, key, v) (enc_key(w, key), enc_int((w), (v)))
+#define enc_kv_bool(w, key, v) (enc_key(w, key), enc_bool((w), (v)))
+#define enc_kv_float(w, key, v) (enc_key(w, key), enc_float((w), (v)))
+#define enc_kv_str(w, key, s) (enc_key(w, key), enc_str((w), (s)))
+#define enc_kv_nil(w, key) (enc_key(w, key), enc_nil(w))
+#define enc_kv_ref(w, key, ref) (enc_key(w, key), enc_ref((w), (ref)))
+#define enc_kv_handles(w, key, v, n) (enc_key(w, key), enc_handles((w), (v), (n)))
 /* The error object {code, name, message, retryable}. */
 void enc_error_object(kp_writer *w, const kp_error *e);
 

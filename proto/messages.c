@@ -386,15 +386,17 @@ static const char *const in_out_fields[] = {"in", "out", NULL};
 
 static void encode_counters(kp_writer *w, const char *key, const kp_counter *c, uint32_t n)
 {
-    enc_key(w, key);
+    enc_str(w, key);
     enc_map(w, n);
-    for (uint32_t i = 0; i < n; i++)
-        enc_kv_u64(w, c[i].name, c[i].value);
+    for (uint32_t i = 0; i < n; i++) {
+        enc_str(w, c[i].name);
+        enc_u64(w, c[i].value);
+    }
 }
 
 static void encode_u64_array(kp_writer *w, const char *key, const uint64_t *v, uint32_t n)
 {
-    enc_key(w, key);
+    enc_str(w, key);
     enc_array(w, n);
     for (uint32_t i = 0; i < n; i++)
         msgpack_pack_uint64(&w->pk, v[i]);
@@ -460,7 +462,7 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
     enc_key(w, "transport_bytes");
     enc_map(w, KP_TRANSPORT_ID_COUNT);
     for (int t = 0; t < KP_TRANSPORT_ID_COUNT; t++) {
-        enc_key(w, transport_names[t]);
+        enc_str(w, transport_names[t]);
         enc_map(w, 2);
         enc_kv_u64(w, "in", r->bytes_in[t]);
         enc_kv_u64(w, "out", r->bytes_out[t]);
@@ -476,7 +478,7 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         enc_map(w, r->nphases);
         for (uint32_t i = 0; i < r->nphases; i++) {
             const kp_phase *p = &r->phases[i];
-            enc_key(w, p->name);
+            enc_str(w, p->name);
             enc_map(w, 4);
             enc_kv_u64(w, "p50", p->p50_us);
             enc_kv_u64(w, "p90", p->p90_us);

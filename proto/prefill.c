@@ -37,6 +37,19 @@ uint64_t prefill_tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads)
 /* Params                                                                 */
 /* ---------------------------------------------------------------------- */
 
+/* Tensor t's key (kp_prefill_tensor_name), its length known where it is written. */
+static void enc_tensor_key(kp_writer *w, int t)
+{
+    switch (t) {
+    case KP_TENSOR_Q: enc_key(w, "q"); break;
+    case KP_TENSOR_K: enc_key(w, "k"); break;
+    case KP_TENSOR_V: enc_key(w, "v"); break;
+    case KP_TENSOR_G: enc_key(w, "g"); break;
+    case KP_TENSOR_BETA: enc_key(w, "beta"); break;
+    default: enc_key(w, "out"); break;
+    }
+}
+
 int kp_prefill_params_encode(kp_writer *w, uint32_t id, const kp_prefill_params *p,
                              kp_error *err)
 {
@@ -78,8 +91,10 @@ int kp_prefill_params_encode(kp_writer *w, uint32_t id, const kp_prefill_params 
         if (q->fresh)
             enc_kv_bool(w, "fresh", true);
         for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
-            if (q->tensors[t].kind != KP_REF_ABSENT)
-                enc_kv_ref(w, kp_prefill_tensor_name(t), &q->tensors[t]);
+            if (q->tensors[t].kind != KP_REF_ABSENT) {
+                enc_tensor_key(w, t);
+                enc_ref(w, &q->tensors[t]);
+            }
         }
     }
     return enc_finish(w, err);

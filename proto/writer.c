@@ -23,26 +23,12 @@
 /* Size of the vrefbuffer's copy chunks. */
 #define WRITER_CHUNK 8192
 
-/* Moves the pending bytes into the vrefbuffer. */
-static void writer_flush(kp_writer *w)
+void writer_flush(kp_writer *w)
 {
     if (w->npending && msgpack_vrefbuffer_append_copy(&w->vbuf, (const char *)w->pending,
                                                       w->npending) != 0)
         w->failed = true;
     w->npending = 0;
-}
-
-/* Room for n (<= KP_WRITER_PENDING) bytes at the end of the pending bytes,
- * which the caller fills: the common small pieces skip the packer's
- * callback and its copy. */
-static inline uint8_t *writer_room(kp_writer *w, size_t n)
-{
-    if (w->npending + n > sizeof(w->pending))
-        writer_flush(w);
-    uint8_t *at = w->pending + w->npending;
-    w->npending += n;
-    w->body_bytes += n;
-    return at;
 }
 
 /* msgpack_packer callback: every packed piece is copied (small ones into the
@@ -62,7 +48,7 @@ static int writer_copy(void *data, const char *buf, size_t len)
 }
 
 /* An unsigned integer in its shortest msgpack form (big-endian payload). */
-static void writer_uint(kp_writer *w, uint64_t v)
+void enc_u64(kp_writer *w, uint64_t v)
 {
     uint8_t *at;
     if (v <= 0x7f) {
@@ -186,22 +172,35 @@ void enc_result(kp_writer *w, uint32_t id, uint32_t nfields)
     msgpack_pack_map(&w->pk, nfields);
 }
 
-void enc_key(kp_writer *w, const char *key)
-{
-    enc_str(w, key);
-}
-
 void enc_str(kp_writer *w, const char *s)
 {
     size_t n = strlen(s);
-    if (n < 32) { /* a fixstr, header and body in one piece (keys, names) */
-        uint8_t *at = writer_room(w, n + 1);
-        at[0] = (uint8_t)(0xa0 | n);
-        memcpy(at + 1, s, n);
+    if (n < 32) { /* names, and most values */
+        enc_fixstr(w, s, n);
         return;
     }
     msgpack_pack_str(&w->pk, n);
     msgpack_pack_str_body(&w->pk, s, n);
+}
+
+void enc_int(kp_writer *w, int64_t v)
+{
+    msgpack_pack_int64(&w->pk, v);
+}
+
+void enc_bool(kp_writer *w, bool v)
+{
+    *writer_room(w, 1) = v ? 0xc3 : 0xc2;
+}
+
+void enc_float(kp_writer *w, float v)
+{
+    msgpack_pack_float(&w->pk, v);
+}
+
+void enc_nil(kp_writer *w)
+{
+    *writer_room(w, 1) = 0xc0;
 }
 
 void enc_map(kp_writer *w, uint32_t n)
@@ -229,48 +228,8 @@ void enc_bin(kp_writer *w, const void *data, uint64_t n)
     w->body_bytes += n;
 }
 
-void enc_kv_u64(kp_writer *w, const char *key, uint64_t v)
+void enc_ref(kp_writer *w, const kp_ref *ref)
 {
-    enc_key(w, key);
-    writer_uint(w, v);
-}
-
-void enc_kv_int(kp_writer *w, const char *key, int64_t v)
-{
-    enc_key(w, key);
-    msgpack_pack_int64(&w->pk, v);
-}
-
-void enc_kv_bool(kp_writer *w, const char *key, bool v)
-{
-    enc_key(w, key);
-    if (v)
-        msgpack_pack_true(&w->pk);
-    else
-        msgpack_pack_false(&w->pk);
-}
-
-void enc_kv_float(kp_writer *w, const char *key, float v)
-{
-    enc_key(w, key);
-    msgpack_pack_float(&w->pk, v);
-}
-
-void enc_kv_str(kp_writer *w, const char *key, const char *s)
-{
-    enc_key(w, key);
-    enc_str(w, s);
-}
-
-void enc_kv_nil(kp_writer *w, const char *key)
-{
-    enc_key(w, key);
-    msgpack_pack_nil(&w->pk);
-}
-
-void enc_kv_ref(kp_writer *w, const char *key, const kp_ref *ref)
-{
-    enc_key(w, key);
     if (ref->kind == KP_REF_INLINE) {
         enc_bin(w, ref->data, ref->nbytes);
         return;
@@ -280,12 +239,11 @@ void enc_kv_ref(kp_writer *w, const char *key, const kp_ref *ref)
     enc_kv_u64(w, "offset", ref->offset);
 }
 
-void enc_kv_handles(kp_writer *w, const char *key, const uint64_t *v, uint32_t n)
+void enc_handles(kp_writer *w, const uint64_t *v, uint32_t n)
 {
-    enc_key(w, key);
     msgpack_pack_array(&w->pk, n);
     for (uint32_t i = 0; i < n; i++)
-        msgpack_pack_uint64(&w->pk, v[i]);
+        enc_u64(w, v[i]);
 }
 
 void enc_error_object(kp_writer *w, const kp_error *e)
