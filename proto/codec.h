@@ -164,8 +164,10 @@ static inline void enc_fixstr(kp_writer *w, const char *s, size_t n)
 }
 
 /* A map key: a string literal (shorter than 32 bytes, as every key of the
- * protocol), so its length is known where it is written. */
-#define enc_key(w, key) enc_fixstr((w), "" key, sizeof(key) - 1)
+ * protocol: a longer one does not compile), so its length is known where it
+ * is written. */
+#define enc_key(w, key) \
+    enc_fixstr((w), "" key, sizeof(key) - 1 + 0 * sizeof(char[sizeof(key) <= 32 ? 1 : -1]))
 
 void enc_str(kp_writer *w, const char *s);
 void enc_u64(kp_writer *w, uint64_t v); /* the shortest form */
