@@ -5,7 +5,8 @@
 # to $OUT; a short summary is printed last.
 #
 #   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [profile] [daemon] [e2e] [ab] [vtests]
-#   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs.  The daemon suites find kdad under the build directory
+#   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs.
+#   `bench` and the full `e2e` no longer fit one device call (600 s) together: run them in two.  The daemon suites find kdad under the build directory
 #   they were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
 #   and every .device/bin/bench_kernel_* (scripts/kernel-variant.sh) twice,
 #   interleaved, on the six standard workloads; `vtests` runs every variant's
