@@ -19,6 +19,10 @@
 
 /* sendmsg takes at most IOV_MAX iovecs per call. */
 #define SEND_IOV_MAX (IOV_MAX < 1024 ? IOV_MAX : 1024)
+/* Sent frames a connection keeps for its next responses: their writers'
+ * buffers are reused instead of allocated and freed per response (one per
+ * request in flight, for the clients that keep one or two). */
+#define SPARE_FRAMES 2
 
 static void on_poll(uv_poll_t *h, int status, int events);
 static void finish_close(kd_conn *c);
@@ -237,12 +241,16 @@ static void on_closed(uv_handle_t *h)
 {
     kd_conn *c = h->data;
     close(c->fd);
-    while (c->out_head) {
-        kd_out *o = c->out_head;
-        c->out_head = o->next;
-        kd_out_free(o);
+    kd_out *frames[2] = {c->out_head, c->spare};
+    for (int k = 0; k < 2; k++) {
+        while (frames[k]) {
+            kd_out *o = frames[k];
+            frames[k] = o->next;
+            kd_out_free(o);
+        }
     }
-    c->out_tail = NULL;
+    c->out_head = c->out_tail = c->spare = NULL;
+    c->nspare = 0;
     c->out_bytes = 0;
     free(c->rbuf);
     c->rbuf = NULL;
@@ -269,8 +277,16 @@ static void finish_close(kd_conn *c)
 
 kd_out *kd_out_new(kd_conn *c)
 {
-    kd_out *o = calloc(1, sizeof(*o));
     uint64_t cap = c->hello_done ? c->session.limits.max_frame_bytes : KP_HELLO_MAX_FRAME_BYTES;
+    kd_out *o = c->spare;
+    if (o) {
+        c->spare = o->next;
+        c->nspare--;
+        o->next = NULL;
+        kp_writer_set_max_frame(&o->w, cap);
+        return o;
+    }
+    o = calloc(1, sizeof(*o));
     if (!o || kp_writer_init(&o->w, cap) != KP_OK) {
         free(o);
         return NULL;
@@ -292,6 +308,25 @@ int kd_out_keep(kd_out *o, void *buf)
     }
     o->keep[o->nkeep++] = buf;
     return KP_OK;
+}
+
+/* A sent frame: kept for the connection's next response while it has
+ * room for spares, else freed. */
+static void out_recycle(kd_conn *c, kd_out *o)
+{
+    if (c->nspare == SPARE_FRAMES || c->closing) {
+        kd_out_free(o);
+        return;
+    }
+    for (uint32_t i = 0; i < o->nkeep; i++)
+        free(o->keep[i]);
+    o->nkeep = 0;
+    o->iov_index = o->iov_offset = 0;
+    o->bytes = 0;
+    o->started = false;
+    o->next = c->spare;
+    c->spare = o;
+    c->nspare++;
 }
 
 void kd_out_free(kd_out *o)
@@ -365,7 +400,7 @@ static void out_advance(kd_conn *c, size_t sent)
         c->out_head = o->next;
         if (!c->out_head)
             c->out_tail = NULL;
-        kd_out_free(o);
+        out_recycle(c, o);
     }
 }
 

@@ -82,6 +82,8 @@ typedef struct kd_conn {
 
     kd_out *out_head, *out_tail;
     uint64_t out_bytes;        /* queued and not yet sent */
+    kd_out *spare;             /* sent frames kept for the next responses (SPARE_FRAMES) */
+    uint32_t nspare;
     uint64_t over_soft_since;  /* uv_hrtime() when out_bytes passed the soft limit, or 0 */
 
     kd_req *req_head, *req_tail; /* unanswered requests, arrival order */
