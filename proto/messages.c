@@ -35,7 +35,7 @@ int kp_hello_params_encode(kp_writer *w, uint32_t id, const kp_hello_params *p, 
     enc_key(w, "versions");
     enc_array(w, p->nversions);
     for (uint32_t i = 0; i < p->nversions; i++)
-        msgpack_pack_uint32(&w->pk, p->versions[i]);
+        enc_u64(w, p->versions[i]);
     if (p->client)
         enc_kv_str(w, "client", p->client);
     return enc_finish(w, err);
@@ -399,7 +399,7 @@ static void encode_u64_array(kp_writer *w, const char *key, const uint64_t *v, u
     enc_str(w, key);
     enc_array(w, n);
     for (uint32_t i = 0; i < n; i++)
-        msgpack_pack_uint64(&w->pk, v[i]);
+        enc_u64(w, v[i]);
 }
 
 int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, kp_error *err)

@@ -155,21 +155,21 @@ int enc_finish(kp_writer *w, kp_error *err)
 void enc_request(kp_writer *w, uint32_t id, kp_method m, uint32_t nfields)
 {
     writer_begin(w);
-    msgpack_pack_array(&w->pk, 4);
-    msgpack_pack_uint32(&w->pk, KP_MSG_REQUEST);
-    msgpack_pack_uint32(&w->pk, id);
+    enc_array(w, 4);
+    enc_u64(w, KP_MSG_REQUEST);
+    enc_u64(w, id);
     enc_str(w, kp_method_name(m));
-    msgpack_pack_map(&w->pk, nfields);
+    enc_map(w, nfields);
 }
 
 void enc_result(kp_writer *w, uint32_t id, uint32_t nfields)
 {
     writer_begin(w);
-    msgpack_pack_array(&w->pk, 4);
-    msgpack_pack_uint32(&w->pk, KP_MSG_RESPONSE);
-    msgpack_pack_uint32(&w->pk, id);
-    msgpack_pack_nil(&w->pk);
-    msgpack_pack_map(&w->pk, nfields);
+    enc_array(w, 4);
+    enc_u64(w, KP_MSG_RESPONSE);
+    enc_u64(w, id);
+    enc_nil(w);
+    enc_map(w, nfields);
 }
 
 void enc_str(kp_writer *w, const char *s)
@@ -203,14 +203,22 @@ void enc_nil(kp_writer *w)
     *writer_room(w, 1) = 0xc0;
 }
 
+/* Containers of fewer than 16 entries take a one-byte header (fixmap 0x80, fixarray 0x90)
+ * straight into the pending bytes; larger ones go through the packer. */
 void enc_map(kp_writer *w, uint32_t n)
 {
-    msgpack_pack_map(&w->pk, n);
+    if (n < 16)
+        *writer_room(w, 1) = (uint8_t)(0x80 | n);
+    else
+        msgpack_pack_map(&w->pk, n);
 }
 
 void enc_array(kp_writer *w, uint32_t n)
 {
-    msgpack_pack_array(&w->pk, n);
+    if (n < 16)
+        *writer_room(w, 1) = (uint8_t)(0x90 | n);
+    else
+        msgpack_pack_array(&w->pk, n);
 }
 
 void enc_bin(kp_writer *w, const void *data, uint64_t n)
@@ -234,21 +242,21 @@ void enc_ref(kp_writer *w, const kp_ref *ref)
         enc_bin(w, ref->data, ref->nbytes);
         return;
     }
-    msgpack_pack_map(&w->pk, 2);
+    enc_map(w, 2);
     enc_kv_u64(w, "region", ref->region);
     enc_kv_u64(w, "offset", ref->offset);
 }
 
 void enc_handles(kp_writer *w, const uint64_t *v, uint32_t n)
 {
-    msgpack_pack_array(&w->pk, n);
+    enc_array(w, n);
     for (uint32_t i = 0; i < n; i++)
         enc_u64(w, v[i]);
 }
 
 void enc_error_object(kp_writer *w, const kp_error *e)
 {
-    msgpack_pack_map(&w->pk, 4);
+    enc_map(w, 4);
     enc_kv_int(w, "code", e->code);
     enc_kv_str(w, "name", kp_code_name(e->code));
     enc_kv_str(w, "message", e->message[0] ? e->message : kp_code_message(e->code));
@@ -267,11 +275,11 @@ int kp_error_response_encode(kp_writer *w, uint32_t id, const kp_error *e, kp_er
     if (e->code >= 0)
         return kp_fail(err, KP_E_INTERNAL, "error response with non-error code %d", e->code);
     writer_begin(w);
-    msgpack_pack_array(&w->pk, 4);
-    msgpack_pack_uint32(&w->pk, KP_MSG_RESPONSE);
-    msgpack_pack_uint32(&w->pk, id);
+    enc_array(w, 4);
+    enc_u64(w, KP_MSG_RESPONSE);
+    enc_u64(w, id);
     enc_error_object(w, e);
-    msgpack_pack_nil(&w->pk);
+    enc_nil(w);
     return enc_finish(w, err);
 }
 
@@ -280,8 +288,8 @@ int kp_goodbye_encode(kp_writer *w, const kp_error *e, kp_error *err)
     if (e->code >= 0)
         return kp_fail(err, KP_E_INTERNAL, "goodbye with non-error code %d", e->code);
     writer_begin(w);
-    msgpack_pack_array(&w->pk, 3);
-    msgpack_pack_uint32(&w->pk, KP_MSG_NOTIFICATION);
+    enc_array(w, 3);
+    enc_u64(w, KP_MSG_NOTIFICATION);
     enc_str(w, KP_NOTIFY_GOODBYE);
     enc_error_object(w, e);
     return enc_finish(w, err);
