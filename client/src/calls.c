@@ -33,7 +33,7 @@ static pending *start(kdac_client *c, kp_method m, kdac_cb cb, void *data, decod
 static int finish(kdac_client *c, pending *p, int rc, const kp_error *e, kdac_error *err)
 {
     if (rc != KP_OK) {
-        pending_free(p);
+        pending_free(c, p);
         return kdac_from_kp(err, e);
     }
     client_submit(c, p);
@@ -231,7 +231,7 @@ int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, u
     p->ctx.prefill.outs = calloc(nseqs, sizeof(void *));
     p->ctx.prefill.pos = calloc(nseqs, sizeof(uint64_t));
     if (!p->ctx.prefill.seqs || !p->ctx.prefill.outs || !p->ctx.prefill.pos) {
-        pending_free(p);
+        pending_free(c, p);
         return kdac_fail(err, KDAC_E_NO_MEMORY, "cannot allocate %u sequences", nseqs);
     }
     uint64_t sums[3] = {0, 0, 0}; /* tokens, inline bytes in, inline bytes out */
@@ -239,7 +239,7 @@ int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, u
         rc = prefill_seq(c, &seqs[i], i, &p->ctx.prefill.seqs[i], &p->ctx.prefill.outs[i], sums,
                          err);
         if (rc) {
-            pending_free(p);
+            pending_free(c, p);
             return rc;
         }
     }
@@ -257,12 +257,12 @@ int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, u
                        "exceed max_inline_bytes %llu; name out regions",
                        (unsigned long long)sums[2], (unsigned long long)lim->max_inline_bytes);
     if (rc) {
-        pending_free(p);
+        pending_free(c, p);
         return rc;
     }
     kp_prefill_params params = {layer, p->ctx.prefill.seqs, nseqs};
     kp_error e;
-    return finish(c, p, kp_prefill_params_encode(&p->w, p->id, &params, &e), &e, err);
+    return finish(c, p, kp_prefill_params_encode(p->w, p->id, &params, &e), &e, err);
 }
 
 int kdac_prefill(kdac_client *c, const char *layer, const kdac_seq *seqs, uint32_t nseqs,
@@ -314,7 +314,7 @@ int kdac_slot_alloc_send(kdac_client *c, uint32_t count, unsigned flags, kdac_cb
     p->ctx.alloc_count = count;
     kp_slot_alloc_params params = {count, !(flags & KDAC_SLOT_ALLOC_EMPTY)};
     kp_error e;
-    return finish(c, p, kp_slot_alloc_params_encode(&p->w, p->id, &params, &e), &e, err);
+    return finish(c, p, kp_slot_alloc_params_encode(p->w, p->id, &params, &e), &e, err);
 }
 
 int kdac_slot_alloc(kdac_client *c, uint32_t count, unsigned flags, uint64_t *slots,
@@ -345,8 +345,8 @@ static int slot_list_send(kdac_client *c, kp_method m, const uint64_t *slots, ui
         return err ? err->code : KDAC_E_NO_MEMORY;
     kp_slot_list list = {slots, n};
     kp_error e;
-    rc = m == KP_METHOD_SLOT_FREE ? kp_slot_free_params_encode(&p->w, p->id, &list, &e)
-                                  : kp_slot_reset_params_encode(&p->w, p->id, &list, &e);
+    rc = m == KP_METHOD_SLOT_FREE ? kp_slot_free_params_encode(p->w, p->id, &list, &e)
+                                  : kp_slot_reset_params_encode(p->w, p->id, &list, &e);
     return finish(c, p, rc, &e, err);
 }
 
@@ -410,7 +410,7 @@ int kdac_slot_fork_send(kdac_client *c, uint64_t src, uint64_t dst, kdac_cb cb, 
         return err ? err->code : KDAC_E_NO_MEMORY;
     kp_slot_fork_params params = {src, dst != 0, dst};
     kp_error e;
-    return finish(c, p, kp_slot_fork_params_encode(&p->w, p->id, &params, &e), &e, err);
+    return finish(c, p, kp_slot_fork_params_encode(p->w, p->id, &params, &e), &e, err);
 }
 
 int kdac_slot_fork(kdac_client *c, uint64_t src, uint64_t dst, uint64_t *slot, uint64_t *pos,
@@ -476,7 +476,7 @@ int kdac_slot_read_send(kdac_client *c, uint64_t slot, kdac_dtype dtype, kdac_ou
     p->ctx.read.dst = out.region ? NULL : out.data;
     p->ctx.read.dtype = (kp_dtype)dtype;
     kp_error e;
-    return finish(c, p, kp_slot_read_params_encode(&p->w, p->id, &params, &e), &e, err);
+    return finish(c, p, kp_slot_read_params_encode(p->w, p->id, &params, &e), &e, err);
 }
 
 int kdac_slot_read(kdac_client *c, uint64_t slot, kdac_dtype dtype, kdac_output out,
@@ -511,7 +511,7 @@ int kdac_slot_write_send(kdac_client *c, uint64_t slot, uint64_t pos, kdac_dtype
     if (!p)
         return err ? err->code : KDAC_E_NO_MEMORY;
     kp_error e;
-    return finish(c, p, kp_slot_write_params_encode(&p->w, p->id, &params, &e), &e, err);
+    return finish(c, p, kp_slot_write_params_encode(p->w, p->id, &params, &e), &e, err);
 }
 
 int kdac_slot_write(kdac_client *c, uint64_t slot, uint64_t pos, kdac_dtype dtype,
@@ -567,7 +567,7 @@ int kdac_slot_info_send(kdac_client *c, const uint64_t *slots, uint32_t n, kdac_
         return err ? err->code : KDAC_E_NO_MEMORY;
     kp_slot_info_params params = {n > 0, {slots, n}};
     kp_error e;
-    return finish(c, p, kp_slot_info_params_encode(&p->w, p->id, &params, &e), &e, err);
+    return finish(c, p, kp_slot_info_params_encode(p->w, p->id, &params, &e), &e, err);
 }
 
 int kdac_slot_info(kdac_client *c, const uint64_t *slots, uint32_t n, kdac_slot_info_result *res,
@@ -611,7 +611,7 @@ int kdac_health_send(kdac_client *c, kdac_cb cb, void *data, kdac_error *err)
     if (!p)
         return err ? err->code : KDAC_E_NO_MEMORY;
     kp_error e;
-    return finish(c, p, kp_health_params_encode(&p->w, p->id, &e), &e, err);
+    return finish(c, p, kp_health_params_encode(p->w, p->id, &e), &e, err);
 }
 
 int kdac_health(kdac_client *c, kdac_health_info *res, kdac_error *err)
@@ -700,7 +700,7 @@ int kdac_stats(kdac_client *c, kdac_stats_info *res, kdac_error *err)
         return err ? err->code : KDAC_E_NO_MEMORY;
     p->ctx.stats = res;
     kp_error e;
-    if ((rc = finish(c, p, kp_stats_params_encode(&p->w, p->id, &e), &e, err)))
+    if ((rc = finish(c, p, kp_stats_params_encode(p->w, p->id, &e), &e, err)))
         return rc;
     return sync_wait(c, &s, err);
 }
@@ -741,7 +741,7 @@ int kdac_stats_prometheus(kdac_client *c, char **text, kdac_error *err)
         return err ? err->code : KDAC_E_NO_MEMORY;
     p->ctx.prometheus = text;
     kp_error e;
-    if ((rc = finish(c, p, kp_stats_params_encode2(&p->w, p->id, KP_STATS_PROMETHEUS, &e), &e,
+    if ((rc = finish(c, p, kp_stats_params_encode2(p->w, p->id, KP_STATS_PROMETHEUS, &e), &e,
                      err)))
         return rc;
     return sync_wait(c, &s, err);
@@ -779,7 +779,7 @@ int kdac_layer_register(kdac_client *c, const kdac_layer *layer, bool *created, 
         kp_ref_inline(layer->dt_bias, (uint64_t)heads * KDAC_HEAD_DIM * 4), layer->lower_bound,
         layer->scale};
     kp_error e;
-    if ((rc = finish(c, p, kp_layer_register_params_encode(&p->w, p->id, &params, &e), &e, err)))
+    if ((rc = finish(c, p, kp_layer_register_params_encode(p->w, p->id, &params, &e), &e, err)))
         return rc;
     return sync_wait(c, &s, err);
 }
@@ -820,7 +820,7 @@ int kdac_layer_list(kdac_client *c, kdac_layer_info *layers, uint32_t cap, uint3
     p->ctx.layers.cap = cap;
     p->ctx.layers.n = n;
     kp_error e;
-    if ((rc = finish(c, p, kp_layer_list_params_encode(&p->w, p->id, &e), &e, err)))
+    if ((rc = finish(c, p, kp_layer_list_params_encode(p->w, p->id, &e), &e, err)))
         return rc;
     return sync_wait(c, &s, err);
 }
@@ -838,7 +838,7 @@ int kdac_layer_drop(kdac_client *c, const char *name, kdac_error *err)
         return err ? err->code : KDAC_E_NO_MEMORY;
     kp_layer_drop_params params = {name};
     kp_error e;
-    if ((rc = finish(c, p, kp_layer_drop_params_encode(&p->w, p->id, &params, &e), &e, err)))
+    if ((rc = finish(c, p, kp_layer_drop_params_encode(p->w, p->id, &params, &e), &e, err)))
         return rc;
     return sync_wait(c, &s, err);
 }
@@ -878,9 +878,9 @@ static int region_register(kdac_client *c, kp_method m, int fd,
     kp_error e;
     if (m == KP_METHOD_REGION_REGISTER_SHM) {
         kp_region_register_shm_params params = {size};
-        rc = kp_region_register_shm_params_encode(&p->w, p->id, &params, &e);
+        rc = kp_region_register_shm_params_encode(p->w, p->id, &params, &e);
     } else {
-        rc = kp_region_register_cuda_params_encode(&p->w, p->id, cuda, &e);
+        rc = kp_region_register_cuda_params_encode(p->w, p->id, cuda, &e);
     }
     if ((rc = finish(c, p, rc, &e, err)))
         return rc;
@@ -947,7 +947,7 @@ int kdac_region_release(kdac_client *c, uint32_t region, kdac_error *err)
         return err ? err->code : KDAC_E_NO_MEMORY;
     kp_region_release_params params = {region};
     kp_error e;
-    if ((rc = finish(c, p, kp_region_release_params_encode(&p->w, p->id, &params, &e), &e, err)))
+    if ((rc = finish(c, p, kp_region_release_params_encode(p->w, p->id, &params, &e), &e, err)))
         return rc;
     return sync_wait(c, &s, err);
 }
@@ -996,7 +996,7 @@ int kdac_ring_attach(kdac_client *c, uint64_t bytes_per_direction, kdac_error *e
     kp_ring_attach_params params = {region, size};
     if (!p)
         rc = err ? err->code : KDAC_E_NO_MEMORY;
-    else if (!(rc = finish(c, p, kp_ring_attach_params_encode(&p->w, p->id, &params, &e), &e,
+    else if (!(rc = finish(c, p, kp_ring_attach_params_encode(p->w, p->id, &params, &e), &e,
                            err)) &&
              (rc = sync_wait(c, &s, err)) == KDAC_OK)
         return KDAC_OK;

@@ -156,8 +156,8 @@ static int client_hello(kdac_client *c, const char *name, kdac_error *err)
     kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, name};
     kp_error e;
     p->id = client_next_id(c);
-    if (kp_hello_params_encode(&p->w, p->id, &hp, &e) != KP_OK) {
-        pending_free(p);
+    if (kp_hello_params_encode(p->w, p->id, &hp, &e) != KP_OK) {
+        pending_free(c, p);
         return kdac_from_kp(err, &e);
     }
     client_submit(c, p);
@@ -243,6 +243,9 @@ int kdac_client_close(kdac_client *c)
         close(c->fd);
     kdac_shm_close(&c->ring_shm);
     kp_reader_close(&c->rd);
+    if (c->spare_writer)
+        kp_writer_close(c->spare_writer);
+    free(c->spare_writer);
     free(c->stage);
     free(c->scratch);
     free(c);

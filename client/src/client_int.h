@@ -42,7 +42,7 @@ struct pending {
     void *data;
     decode_fn decode;
     read_fn read;           /* NULL: every result goes through decode */
-    kp_writer w;            /* its frame; closed once fully written */
+    kp_writer *w;           /* its frame; given back once fully written */
     bool writer_open;
     bool sent;              /* every byte of the frame is in the socket */
     int fd;                 /* descriptor to pass with the frame's first byte, or -1 */
@@ -111,6 +111,7 @@ struct kdac_client {
 
     void *scratch;            /* arrays of the last blocking call's result */
     size_t scratch_cap;
+    kp_writer *spare_writer;  /* a sent frame's writer, for the next request (or NULL) */
 };
 
 /* errors.c: fill err (may be NULL) with code and a printf-style message
@@ -123,7 +124,7 @@ int kdac_from_kp(kdac_error *err, const kp_error *e);
 int client_progress(kdac_client *c);
 /* Allocates a request record; NULL when out of memory. */
 pending *pending_new(kdac_client *c, kp_method m, kdac_cb cb, void *data, decode_fn decode);
-void pending_free(pending *p);
+void pending_free(kdac_client *c, pending *p);
 /* The id the next request gets (unused by requests in flight). */
 uint32_t client_next_id(kdac_client *c);
 /* Queues an encoded request, tries to write it, and tracks it until its

@@ -35,7 +35,12 @@ pending *pending_new(kdac_client *c, kp_method m, kdac_cb cb, void *data, decode
     if (!p)
         return NULL;
     uint64_t cap = c->hello_done ? c->session.limits.max_frame_bytes : KP_HELLO_MAX_FRAME_BYTES;
-    if (kp_writer_init(&p->w, cap) != KP_OK) {
+    if (c->spare_writer) {
+        p->w = c->spare_writer;
+        c->spare_writer = NULL;
+        kp_writer_set_max_frame(p->w, cap);
+    } else if (!(p->w = malloc(sizeof(*p->w))) || kp_writer_init(p->w, cap) != KP_OK) {
+        free(p->w);
         free(p);
         return NULL;
     }
@@ -48,12 +53,26 @@ pending *pending_new(kdac_client *c, kp_method m, kdac_cb cb, void *data, decode
     return p;
 }
 
-void pending_free(pending *p)
+/* A writer done with its frame: kept for the client's next request (its
+ * buffers reused; the next encode clears it) unless one is kept already. */
+static void writer_give_back(kdac_client *c, pending *p)
+{
+    if (!c->spare_writer) {
+        c->spare_writer = p->w;
+    } else {
+        kp_writer_close(p->w);
+        free(p->w);
+    }
+    p->w = NULL;
+    p->writer_open = false;
+}
+
+void pending_free(kdac_client *c, pending *p)
 {
     if (!p)
         return;
     if (p->writer_open)
-        kp_writer_close(&p->w);
+        writer_give_back(c, p);
     if (p->method == KP_METHOD_PREFILL) {
         free(p->ctx.prefill.seqs);
         free(p->ctx.prefill.outs);
@@ -117,7 +136,7 @@ static void complete(kdac_client *c, pending *p, const kdac_result *res, int sta
     c->cb_depth++;
     p->cb(c, p->data, res, status);
     c->cb_depth--;
-    pending_free(p);
+    pending_free(c, p);
 }
 
 static void complete_error(kdac_client *c, pending *p, const kdac_error *e)
@@ -181,7 +200,7 @@ static void sendq_advance(kdac_client *c, size_t n)
     while (n > 0) {
         pending *p = c->send_head;
         size_t iovcnt;
-        const struct iovec *iov = kp_writer_iov(&p->w, &iovcnt);
+        const struct iovec *iov = kp_writer_iov(p->w, &iovcnt);
         size_t left = iov[p->iov_index].iov_len - p->iov_off;
         size_t take = n < left ? n : left;
         p->iov_off += take;
@@ -194,8 +213,7 @@ static void sendq_advance(kdac_client *c, size_t n)
         if (p->unsent == 0) {
             /* The frame is in the socket: its writer (and its references to
              * the caller's tensors) is no longer needed. */
-            kp_writer_close(&p->w);
-            p->writer_open = false;
+            writer_give_back(c, p);
             p->sent = true;
             c->send_head = p->send_next;
             if (!c->send_head)
@@ -220,7 +238,7 @@ static int send_iov(kdac_client *c, struct iovec *iov, int *fd)
         if (p != head && p->fd >= 0)
             break;
         size_t cnt;
-        const struct iovec *v = kp_writer_iov(&p->w, &cnt);
+        const struct iovec *v = kp_writer_iov(p->w, &cnt);
         size_t i = p == head ? head->iov_index : 0;
         size_t off = p == head ? head->iov_off : 0;
         for (; i < cnt && niov < CLIENT_SEND_IOVS; i++, off = 0) {
@@ -335,7 +353,7 @@ void client_submit(kdac_client *c, pending *p)
     p->hash_next = c->table[p->id % CLIENT_HASH_BUCKETS];
     c->table[p->id % CLIENT_HASH_BUCKETS] = p;
     c->inflight++;
-    p->unsent = kp_writer_frame_bytes(&p->w);
+    p->unsent = kp_writer_frame_bytes(p->w);
     c->send_queued += p->unsent;
     if (c->send_tail)
         c->send_tail->send_next = p;
