@@ -377,6 +377,49 @@ static void test_prefill_read_envelopes(void **state)
     wire_close(&x);
 }
 
+/* A region reference's keys in the encoders' order (the reader's fast path), reversed (its
+ * general loop), and with a key as str8 (left to the decoder). */
+static void test_prefill_read_ref_orders(void **state)
+{
+    (void)state;
+    encode_valid_prefill();
+    wire x;
+    open_request(&x, KP_METHOD_PREFILL, 11);
+    const uint8_t *body = x.frame + 4;
+    const size_t len = x.len - 4;
+    static const uint8_t ref[] = {0x82, 0xa6, 'r', 'e', 'g', 'i', 'o', 'n'};
+    size_t at = 0;
+    while (at + sizeof(ref) < len && memcmp(body + at, ref, sizeof(ref)) != 0)
+        at++;
+    assert_true(at + sizeof(ref) < len);
+    const uint8_t region = body[at + sizeof(ref)]; /* a positive fixint */
+    const uint8_t *offset_key = body + at + sizeof(ref) + 1, *ov = offset_key + 7;
+    assert_true(region >= 1 && region <= 0x7f);
+    assert_memory_equal(offset_key, "\xa6offset", 7);
+    const size_t olen = *ov <= 0x7f ? 1 : *ov == 0xcc ? 2 : *ov == 0xcd ? 3 : *ov == 0xce ? 5 : 9;
+    uint8_t rev[32];
+    size_t n = 0, blen;
+    rev[n++] = 0x82;
+    memcpy(rev + n, offset_key, 7 + olen);
+    n += 7 + olen;
+    memcpy(rev + n, ref + 1, sizeof(ref) - 1);
+    n += sizeof(ref) - 1;
+    rev[n++] = region;
+    uint8_t *b = spliced(body, len, at, sizeof(ref) + 1 + 7 + olen, rev, n, &blen);
+    assert_true(prefill_read_agrees(b, blen, &test_session, true));
+    free(b);
+    static const uint8_t str8[] = {0x82, 0xd9, 6, 'r', 'e', 'g', 'i', 'o', 'n'};
+    b = spliced(body, len, at, sizeof(ref), str8, sizeof(str8), &blen);
+    assert_true(prefill_read_agrees(b, blen, &test_session, false));
+    kp_msg probe;
+    kp_prefill_params got;
+    kp_msg_init(&probe);
+    assert_false(kp_prefill_request_read(&probe, b, blen, UINT32_MAX, &test_session, &got));
+    kp_msg_close(&probe);
+    free(b);
+    wire_close(&x);
+}
+
 /* Integers are packed in their shortest form, each boundary both ways, and
  * read back whole by both decoders. */
 static void test_prefill_uint_forms(void **state)
@@ -778,6 +821,8 @@ int main(void)
                                         prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_key_with_nul, prefill_setup, prefill_teardown),
         cmocka_unit_test(test_prefill_uint_forms),
+        cmocka_unit_test_setup_teardown(test_prefill_read_ref_orders, prefill_setup,
+                                        prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_read_envelopes, prefill_setup,
                                         prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_limits, prefill_setup, prefill_teardown),
