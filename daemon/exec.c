@@ -17,7 +17,6 @@
 #include "defaults.h"
 #include "log.h"
 
-
 struct kd_exec {
     kd_layer *layer;          /* prefill: the layer it admitted */
     kd_region **regions;      /* regions it references, once each */

@@ -246,6 +246,15 @@ static bool name_is(const char *name, const char *key, uint32_t len)
     return strlen(name) == len && memcmp(name, key, len) == 0;
 }
 
+/* Entries of a NULL-terminated names list. */
+static int names_count(const char *const *names)
+{
+    int count = 0;
+    while (names[count])
+        count++;
+    return count;
+}
+
 /* The index of key in the `count` names, or -1.  Encoders write fields in
  * the order of their names lists, some left out: the search starts after
  * the previous key's name (`from`) and wraps around. */
@@ -285,9 +294,8 @@ static int open_map(dec_fields *f, const msgpack_object *obj, dec_mode mode, kp_
     if (obj->type != MSGPACK_OBJECT_MAP)
         return kp_fail(err, code, "%s: expected a map, got %s", map_label(f, label, sizeof(label)),
                        type_name(obj));
-    int count = 0, next = 0;
-    while (names[count])
-        count++;
+    const int count = names_count(names);
+    int next = 0;
     for (uint32_t i = 0; i < obj->via.map.size; i++) {
         const msgpack_object *key = &obj->via.map.ptr[i].key;
         if (key->type != MSGPACK_OBJECT_STR)
@@ -501,10 +509,7 @@ int dec_enum(const dec_fields *f, const char *name, const char *const *choices, 
         return rc;
     if (o->type != MSGPACK_OBJECT_STR)
         return wrong_type(f, name, "a str", o, err);
-    int count = 0;
-    while (choices[count])
-        count++;
-    int at = find_name(choices, count, 0, o->via.str.ptr, o->via.str.size);
+    int at = find_name(choices, names_count(choices), 0, o->via.str.ptr, o->via.str.size);
     if (at >= 0) {
         *out = at;
         return KP_OK;

@@ -37,7 +37,9 @@ uint64_t prefill_tensor_bytes(kp_prefill_tensor t, uint32_t len, uint32_t heads)
 /* Params                                                                 */
 /* ---------------------------------------------------------------------- */
 
-/* Tensor t's key (kp_prefill_tensor_name), its length known where it is written. */
+/* Tensor t's key: kp_prefill_tensor_name's, spelt out so that each is a literal of known
+ * length (enc_str of the name instead measured 2.3k more instructions per 6-sequence
+ * request: a strlen and a memcpy call per key). */
 static void enc_tensor_key(kp_writer *w, int t)
 {
     switch (t) {

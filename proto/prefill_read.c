@@ -268,6 +268,15 @@ static bool read_seq(reader *r, const kp_session *s, kp_prefill_seq *q, prefill_
     return true;
 }
 
+/* A frame's envelope up to its id: [kind, id, ... (4 elements). */
+static bool take_envelope(reader *r, kp_msg_kind kind, uint64_t *id)
+{
+    uint32_t n;
+    uint64_t type;
+    return take_array(r, &n) && n == 4 && take_uint(r, &type) && type == kind &&
+           take_uint(r, id) && *id <= UINT32_MAX;
+}
+
 static const known_key params_keys[] = {KEY("layer"), KEY("seqs")};
 
 static bool read_params(reader *r, kp_msg *msg, const kp_session *s, kp_prefill_params *p,
@@ -312,15 +321,13 @@ bool kp_prefill_request_read(kp_msg *msg, const void *body, size_t len, uint64_t
                              const kp_session *s, kp_prefill_params *p)
 {
     reader r = {body, (const uint8_t *)body + len};
-    uint32_t n;
-    uint64_t type, id;
+    uint64_t id;
     const uint8_t *method;
     uint32_t method_len;
     prefill_totals sum = {0, 0, 0};
     kp_msg_close(msg);
     memset(p, 0, sizeof(*p));
-    if (len == 0 || len > max_frame || !take_array(&r, &n) || n != 4 || !take_uint(&r, &type) ||
-        type != KP_MSG_REQUEST || !take_uint(&r, &id) || id > UINT32_MAX ||
+    if (len == 0 || len > max_frame || !take_envelope(&r, KP_MSG_REQUEST, &id) ||
         !take_bytes(&r, false, &method, &method_len) || method_len != 7 ||
         memcmp(method, "prefill", 7) != 0)
         return false;
@@ -359,10 +366,8 @@ static bool read_positions(reader *r, uint32_t nseqs, uint64_t *pos)
 bool kp_response_peek_id(const void *body, size_t len, uint32_t *id)
 {
     reader r = {body, (const uint8_t *)body + len};
-    uint32_t n;
-    uint64_t type, v;
-    if (!take_array(&r, &n) || n != 4 || !take_uint(&r, &type) || type != KP_MSG_RESPONSE ||
-        !take_uint(&r, &v) || v > UINT32_MAX)
+    uint64_t v;
+    if (!take_envelope(&r, KP_MSG_RESPONSE, &v))
         return false;
     *id = (uint32_t)v;
     return true;
@@ -372,17 +377,16 @@ bool kp_prefill_result_read(const void *body, size_t len, uint64_t max_frame,
                             const kp_prefill_params *req, uint64_t *pos, kp_prefill_result *res)
 {
     reader r = {body, (const uint8_t *)body + len};
-    uint32_t n, nkeys, seen = 0;
-    uint64_t type, id;
+    uint32_t nkeys, seen = 0;
+    uint64_t id;
     int next = 0;
     memset(res, 0, sizeof(*res));
     for (uint32_t i = 0; i < req->nseqs; i++) {
         if (req->seqs[i].len > 0 && req->seqs[i].out.kind == KP_REF_ABSENT)
             return false; /* its output comes inline */
     }
-    if (len == 0 || len > max_frame || !take_array(&r, &n) || n != 4 || !take_uint(&r, &type) ||
-        type != KP_MSG_RESPONSE || !take_uint(&r, &id) || id > UINT32_MAX || !take_nil(&r) ||
-        !take_map(&r, &nkeys) || nkeys > NKEYS(result_keys))
+    if (len == 0 || len > max_frame || !take_envelope(&r, KP_MSG_RESPONSE, &id) ||
+        !take_nil(&r) || !take_map(&r, &nkeys) || nkeys > NKEYS(result_keys))
         return false;
     uint64_t *value[] = {NULL, &res->queue_us, &res->run_us, &res->device_us, &res->kernel_us};
     for (uint32_t k = 0; k < nkeys; k++) {

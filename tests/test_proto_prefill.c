@@ -331,16 +331,23 @@ static uint8_t *spliced(const uint8_t *body, size_t len, size_t at, size_t cut,
     return b;
 }
 
+/* The valid prefill's frame body, opened into x (closed by the caller). */
+static const uint8_t *valid_prefill_body(wire *x, size_t *len)
+{
+    encode_valid_prefill();
+    open_request(x, KP_METHOD_PREFILL, 11);
+    *len = x->len - 4;
+    return x->frame + 4;
+}
+
 /* The envelope [0, 11, "prefill", params]: what the reader declines and
  * the encodings it reads. */
 static void test_prefill_read_envelopes(void **state)
 {
     (void)state;
-    encode_valid_prefill();
     wire x;
-    open_request(&x, KP_METHOD_PREFILL, 11);
-    const uint8_t *body = x.frame + 4;
-    size_t len = x.len - 4;
+    size_t len;
+    const uint8_t *body = valid_prefill_body(&x, &len);
     static const uint8_t head[] = {0x94, 0x00, 0x0b, 0xa7, 'p', 'r', 'e', 'f', 'i', 'l', 'l'};
     assert_memory_equal(body, head, sizeof(head));
     struct {
@@ -382,11 +389,9 @@ static void test_prefill_read_envelopes(void **state)
 static void test_prefill_read_ref_orders(void **state)
 {
     (void)state;
-    encode_valid_prefill();
     wire x;
-    open_request(&x, KP_METHOD_PREFILL, 11);
-    const uint8_t *body = x.frame + 4;
-    const size_t len = x.len - 4;
+    size_t len;
+    const uint8_t *body = valid_prefill_body(&x, &len);
     static const uint8_t ref[] = {0x82, 0xa6, 'r', 'e', 'g', 'i', 'o', 'n'};
     size_t at = 0;
     while (at + sizeof(ref) < len && memcmp(body + at, ref, sizeof(ref)) != 0)

@@ -42,8 +42,7 @@ struct pending {
     void *data;
     decode_fn decode;
     read_fn read;           /* NULL: every result goes through decode */
-    kp_writer *w;           /* its frame; given back once fully written */
-    bool writer_open;
+    kp_writer *w;           /* its frame; NULL once fully written (given back) */
     bool sent;              /* every byte of the frame is in the socket */
     int fd;                 /* descriptor to pass with the frame's first byte, or -1 */
     bool fd_sent;           /* ring: it went ahead on a doorbell (PROTOCOL.md §Frame ring) */

@@ -44,7 +44,6 @@ pending *pending_new(kdac_client *c, kp_method m, kdac_cb cb, void *data, decode
         free(p);
         return NULL;
     }
-    p->writer_open = true;
     p->method = m;
     p->cb = cb;
     p->data = data;
@@ -64,14 +63,13 @@ static void writer_give_back(kdac_client *c, pending *p)
         free(p->w);
     }
     p->w = NULL;
-    p->writer_open = false;
 }
 
 void pending_free(kdac_client *c, pending *p)
 {
     if (!p)
         return;
-    if (p->writer_open)
+    if (p->w)
         writer_give_back(c, p);
     if (p->method == KP_METHOD_PREFILL) {
         free(p->ctx.prefill.seqs);
