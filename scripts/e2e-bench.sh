@@ -196,12 +196,13 @@ if [ -z "$only" ] || [ "$only" = ipc ]; then
   stop_kdad
 elif [ "$only" = align ]; then
   # Is the CUDA IPC slowdown of the mixed batch about where its sequences start?  Packed (as
-  # a varlen batch holds them) against every sequence at a multiple of 2 MiB.
-  for heads in 96 64; do
+  # a varlen batch holds them) against every sequence at a multiple of 2 MiB.  ALIGNS,
+  # ALIGN_HEADS and ALIGN_TRANSPORTS narrow or widen the grid.
+  for heads in ${ALIGN_HEADS:-96 64}; do
     start_kdad $heads bench/e2e-h200.yaml || exit 1
     for round in 1 2; do
-      for align in 256 2097152; do
-        for t in cuda-ipc cuda-vmm; do
+      for align in ${ALIGNS:-256 2097152}; do
+        for t in ${ALIGN_TRANSPORTS:-cuda-ipc cuda-vmm}; do
           variant="ring-spin align $align"
           measure "H$heads mixed" --lengths "$mixed" --transport $t --requests 100 --warmup 2 \
             --ring --spin 2000 --align $align

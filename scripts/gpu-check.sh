@@ -4,8 +4,9 @@
 # machine and carried in .device/ (see scripts/gpu-bundle.sh).  Full logs go
 # to $OUT; a short summary is printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [profile] [daemon] [e2e] [ab] [vtests]
-#   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs.
+#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests]
+#   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs; `ipc`
+#   is bench_ipc: the kernel on CUDA IPC memory against local memory, by tensor placement.
 #   `bench` and the full `e2e` no longer fit one device call (600 s) together: run them in two.  The daemon suites find kdad under the build directory
 #   they were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
 #   and every .device/bin/bench_kernel_* (scripts/kernel-variant.sh) twice,
@@ -19,7 +20,7 @@ for f in .device/debs/*.deb; do dpkg -x "$f" /tmp/debs; done
 export LD_LIBRARY_PATH=$PWD/.device/bin:/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KDAD_GOLDEN_DIR=$PWD/.device/golden
 export KDA_TEST_SEED=${KDA_TEST_SEED:-$(date +%s)}
-steps=${*:-layout kernel sanitize bench launch profile daemon e2e}
+steps=${*:-layout kernel sanitize bench launch ipc profile daemon e2e}
 bin=.device/bin
 declare -A status
 
@@ -34,6 +35,7 @@ for step in $steps; do
                 $bin/test_cuda_kernel > "$out/racecheck.log" 2>&1; (exit $((rc | $?))) ;;
     bench)    timeout 400 $bin/bench_kernel --json "$out/h200-kernel.json" > "$out/bench.log" 2>&1 ;;
     launch)   timeout 60 $bin/bench_launch > "$out/launch.log" 2>&1 ;;
+    ipc)      timeout 120 $bin/bench_ipc > "$out/ipc.log" 2>&1 ;;
     profile)  timeout 300 $bin/bench_kernel_profile --reps 3 > "$out/profile.log" 2>&1 ;;
     daemon)   built=$(strings $bin/test_daemon_cuda | grep -m1 -E '^/.*build[^/]*$')
               mkdir -p "$built/daemon" "$built/client" && cp $bin/kdad "$built/daemon/" && cp $bin/kdactl "$built/client/"
@@ -72,6 +74,7 @@ for step in $steps; do
     sanitize) grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|Error|hazard' "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null | sort | uniq -c | head ;;
     bench)    tail -16 "$out/bench.log" ;;
     launch)   cat "$out/launch.log" ;;
+    ipc)      cat "$out/ipc.log" ;;
     profile)  grep '^profile' "$out/profile.log" | sed 's/cycles per chunk://' ;;
     daemon)   grep -E 'PASSED|FAILED|SKIP|tests? run' "$out/daemon.log" | tail -12 ;;
     e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
