@@ -717,6 +717,8 @@ KDAC_EXPORT int kdac_region_register_shm(kdac_client *c, int fd, uint64_t size,
  * GPU, kdac_client_info()->gpu_uuid).  The library itself needs no CUDA.
  * Ordering: finish writing the inputs (cudaStreamSynchronize) before
  * sending a request that names them; outputs are complete when it completes.
+ * Size the allocation in multiples of 2 MiB: on the H200 the kernel reads an
+ * IPC allocation whose size is not a multiple of 64 KiB 13-24% slower.
  * Errors: NOT_SUPPORTED (CPU backend), REGION_INVALID (other GPU, handle
  * cannot be opened, size beyond the allocation), QUOTA_EXCEEDED.
  */
