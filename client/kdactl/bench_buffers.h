@@ -1,7 +1,8 @@
 /*
  * bench_buffers.h - where kdactl bench's tensors live, per transport:
  *
- *   inline    one host image of random inputs, sent inline by every
+ *   inline    one host image of random inputs (N(0,1), a 4 MiB draw repeated
+ *             through each tensor: bench_buffers.c), sent inline by every
  *             request (outputs come back inline and are discarded);
  *   shm       one sealed memfd holding the same inputs plus an output block
  *             per (client, in-flight request), registered by every client;
