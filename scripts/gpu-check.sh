@@ -6,8 +6,10 @@
 #
 #   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests]
 #   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs; `ipc`
-#   is bench_ipc: the kernel on CUDA IPC memory against local memory, by tensor placement.
-#   `bench` and the full `e2e` no longer fit one device call (600 s) together: run them in two.  The daemon suites find kdad under the build directory
+#   is bench_ipc: the kernel on CUDA IPC memory against local memory, by allocation size and
+#   tensor placement.  `bench` and the full `e2e` did not fit one device call (600 s) together
+#   while kdactl bench drew all its inputs (~7 s per e2e row; a 4 MiB draw since the tenth
+#   session): not tried together since.  The daemon suites find kdad under the build directory
 #   they were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
 #   and every .device/bin/bench_kernel_* (scripts/kernel-variant.sh) twice,
 #   interleaved, on the six standard workloads; `vtests` runs every variant's
