@@ -116,28 +116,10 @@ static double time_batch(kda_cuda *cu, const std::vector<kda_seq> &seqs, int32_t
             exit(1);
         }
     };
-    for (int i = 0; i < 3; i++)
-        launch();
-    cudaEvent_t start, stop;
-    GPU_CHECK(cudaEventCreate(&start));
-    GPU_CHECK(cudaEventCreate(&stop));
-    std::vector<float> times;
-    for (int r = 0; r < reps; r++) {
-        GPU_CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-        GPU_CHECK(cudaEventRecord(start));
-        launch();
-        GPU_CHECK(cudaEventRecord(stop));
-        GPU_CHECK(cudaEventSynchronize(stop));
-        float ms;
-        GPU_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+    const double ms = gpu_median_ms(launch, reps, flush, flush_bytes);
     for (void *p : {pool.state, (void *)dseqs, (void *)dn})
         cudaFree(p);
-    return times[times.size() / 2];
+    return ms;
 }
 
 /* One exported buffer: its exporting child, the pipe that holds the child alive, its handle. */

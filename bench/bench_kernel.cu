@@ -136,23 +136,7 @@ static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t
     cudaFree(out_ref);
     cudaFree(state_ref);
 
-    for (int i = 0; i < 3; i++)
-        launch();
-    cudaEvent_t start, stop;
-    GPU_CHECK(cudaEventCreate(&start));
-    GPU_CHECK(cudaEventCreate(&stop));
-    std::vector<float> times;
-    for (int r = 0; r < reps; r++) {
-        GPU_CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-        GPU_CHECK(cudaEventRecord(start));
-        launch();
-        GPU_CHECK(cudaEventRecord(stop));
-        GPU_CHECK(cudaEventSynchronize(stop));
-        float ms;
-        GPU_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
+    const float median_ms = gpu_median_ms(launch, reps, flush, flush_bytes);
 #ifdef KDA_PROFILE
     {   /* one more launch with CTA 0's phase counters (profile.cuh) */
         unsigned long long prof[kda::PROF_SLOTS];
@@ -173,15 +157,13 @@ static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t
 #endif
     Result res;
     res.w = w;
-    res.ms = times[times.size() / 2];
+    res.ms = median_ms;
     const double bytes = 1282.0 * double(T) * H + 2.0 * N * H * KDA_HEAD_DIM * KDA_HEAD_DIM * 4;
     res.floor_ms = bytes / COPY_BYTES_PER_S * 1e3;
     res.mtok_s = double(T) / (res.ms * 1e-3) / 1e6;
     res.out_err = out_err;
     res.state_err = state_err;
 
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     for (void *p : {(void *)q, (void *)k, (void *)v, (void *)g, (void *)beta, (void *)out, (void *)a_log,
                     (void *)dt_bias, (void *)dlayer, pool.state, before.state, (void *)dseqs, (void *)dn})
         cudaFree(p);

@@ -5,9 +5,12 @@
  */
 #pragma once
 
+#include <algorithm>
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <vector>
 
 #include "kda.h"
 
@@ -41,3 +44,33 @@ double gpu_rel_rms_bf16(const uint16_t *x, const double *ref, size_t n);
 /* The same over the slots named by the batch: pool slot seqs[n].slot against state_ref[n]. */
 double gpu_rel_rms_slots(const kda_pool *pool, const int64_t *slots_host, int32_t nseqs,
                          const double *state_ref);
+
+/*
+ * The benchmarks' timing: three untimed launch() calls, then `reps` timed
+ * ones on the default stream with CUDA events, each after writing
+ * flush_bytes of `flush` (which evicts the L2); the median, in ms.
+ */
+template <typename Launch>
+float gpu_median_ms(Launch launch, int reps, void *flush, size_t flush_bytes)
+{
+    for (int i = 0; i < 3; i++)
+        launch();
+    cudaEvent_t start, stop;
+    GPU_CHECK(cudaEventCreate(&start));
+    GPU_CHECK(cudaEventCreate(&stop));
+    std::vector<float> times;
+    for (int r = 0; r < reps; r++) {
+        GPU_CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+        GPU_CHECK(cudaEventRecord(start));
+        launch();
+        GPU_CHECK(cudaEventRecord(stop));
+        GPU_CHECK(cudaEventSynchronize(stop));
+        float ms;
+        GPU_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        times.push_back(ms);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+}
