@@ -2,7 +2,8 @@
 # Runs on the GPU host (the `device` tool): the GPU tests, compute-sanitizer on
 # a varlen batch, and the kernel benchmark, from binaries built on the CPU
 # machine and carried in .device/ (see scripts/gpu-bundle.sh).  Full logs go
-# to $OUT; a short summary is printed last.
+# to $OUT (as logs.tar.gz, beside the JSON results: the device tool brings back at most
+# 8 files); a short summary is printed last.
 #
 #   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests]
 #   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs; `ipc`
@@ -85,3 +86,11 @@ for step in $steps; do
   esac
   echo "== $step: exit ${status[$step]}"
 done
+
+# The device tool brings back at most 8 files: the logs travel as one archive, beside the
+# results (h200-kernel.json, e2e.jsonl, e2e-summary.txt); one archive per $OUT, so give each
+# run of this script in one call its own (OUT=$OUT/name).
+logs=$(cd "$out" && ls -- *.log *.err gpu.txt 2>/dev/null)
+if [ -n "$logs" ]; then
+  (cd "$out" && tar czf logs.tar.gz $logs && rm -f $logs)
+fi
