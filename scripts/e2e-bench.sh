@@ -27,7 +27,8 @@
 # 2 MiB boundaries (kdactl bench --align), E2E_ONLY=ring
 # only the ring comparison, for quick checks.  E2E_ONLY=ab runs the single-client ring rows
 # over VMM (H96, H64) for BIN_DIR and for another build's kdad and kdactl in BASE_BIN,
-# interleaved twice: an A/B within one call.
+# interleaved twice: an A/B within one call (scripts/gpu-bundle-base.sh REV makes
+# .device/bin-base).
 set -uo pipefail
 bin=${1:?usage: e2e-bench.sh BIN_DIR}
 out=${OUT:-/tmp/kdad-e2e}
