@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds another revision's kdad, kdactl and libkdaclient into .device/bin-base, the BASE_BIN
 # of `E2E_ONLY=ab scripts/gpu-check.sh e2e` (the single-client ring rows of this tree's build
-# and of REV, interleaved).  Run scripts/gpu-bundle.sh first; this strips both folders' debug
-# information so that .device fits a device call's carry (64 MiB).
+# and of REV, interleaved).  Run scripts/gpu-bundle.sh first; debug information is stripped
+# here too, so that .device fits a device call's carry (64 MiB).
 #
 #   scripts/gpu-bundle-base.sh REV
 set -euo pipefail
@@ -16,7 +16,7 @@ cmake --build "$tree/build-gpu" -j"$(nproc)" --target kdad kdactl >/dev/null
 rm -rf .device/bin-base && mkdir -p .device/bin-base
 cp "$tree/build-gpu/daemon/kdad" "$tree/build-gpu/client/kdactl" .device/bin-base/
 cp -L "$tree/build-gpu/client/libkdaclient.so.0" .device/bin-base/
-for f in .device/bin/* .device/bin-base/*; do
+for f in .device/bin-base/*; do
   [ "$(basename "$f")" = libkdaclient.so.0 ] || strip --strip-debug "$f"
 done
 echo "bin-base: $(git rev-parse --short "$rev")"

@@ -17,4 +17,9 @@ cp build-gpu/tests/test_wgmma_layout build-gpu/tests/test_cuda_kernel build-gpu/
    build-gpu/tests/test_daemon_cuda build-gpu/tests/test_daemon_shm_cuda \
    build-gpu/tests/test_daemon_ring_cuda build-gpu/tests/test_daemon_cuda_ipc .device/bin/
 cp -L build-gpu/client/libkdaclient.so.0 .device/bin/   # kdactl's RUNPATH points into build-gpu
+# Debug information stripped (libkdaclient's symbols kept) so that .device fits a call's
+# carry (64 MiB).
+for f in .device/bin/*; do
+  [ "$(basename "$f")" = libkdaclient.so.0 ] || strip --strip-debug "$f"
+done
 du -sh .device
