@@ -1,19 +1,21 @@
 /*
  * bench_ipc.cu - is the fused kernel slower on memory opened from another
- * process's cudaIpcMemHandle, and on which tensors' placement does that
- * depend?  (kdad's mixed batches ran ~24% slower on CUDA IPC regions than on
- * VMM ones unless every sequence started at a 64 KiB boundary: RESULTS.md.)
+ * process's cudaIpcMemHandle, and on what does that depend?  (kdad's mixed
+ * batches ran ~24% slower on CUDA IPC regions than on VMM ones; measured
+ * here: it is the exported allocation's size, not where the tensors sit in
+ * it.  RESULTS.md, tenth session.)
  *
  *   bench_ipc [--reps N]
  *
- * A child process cudaMallocs one buffer and passes its IPC handle over a
- * pipe; this process opens it, and cudaMallocs a local buffer of the same
- * size.  On both, the H96 and H64 mixed batches run with four placements of
- * each sequence's tensors in the buffer: everything packed as a varlen batch
- * holds it (q, k, v, g, out blocks, then beta), beta alone at 64 KiB
- * boundaries, q/k/v/g/out alone at 64 KiB boundaries, everything at 64 KiB
- * boundaries.  Median of N launches, L2 flushed before each; two rounds,
- * local and IPC interleaved.
+ * Child processes cudaMalloc one buffer each, of three sizes (SIZES), and
+ * pass their IPC handles over pipes; this process opens them, and
+ * cudaMallocs a local buffer of each size.  On every pair, the H96 and H64
+ * mixed batches run with four placements of each sequence's tensors:
+ * everything packed as a varlen batch holds it (q, k, v, g, out blocks,
+ * then beta), beta alone at 64 KiB boundaries, q/k/v/g/out alone at 64 KiB
+ * boundaries, everything at 64 KiB boundaries (placements that do not fit
+ * an allocation are skipped).  Median of N launches, L2 flushed before
+ * each; two rounds, local and IPC interleaved.
  */
 #include <algorithm>
 #include <stdio.h>
