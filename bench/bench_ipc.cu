@@ -108,10 +108,7 @@ static double time_batch(kda_cuda *cu, const std::vector<kda_seq> &seqs, int32_t
     }
     kda_seq *dseqs;
     int32_t *dn;
-    GPU_CHECK(cudaMalloc(&dseqs, sizeof(kda_seq) * n));
-    GPU_CHECK(cudaMemcpy(dseqs, seqs.data(), sizeof(kda_seq) * n, cudaMemcpyHostToDevice));
-    GPU_CHECK(cudaMalloc(&dn, sizeof(int32_t)));
-    GPU_CHECK(cudaMemcpy(dn, &n, sizeof(int32_t), cudaMemcpyHostToDevice));
+    gpu_upload_table(seqs.data(), n, &dseqs, &dn);
     auto launch = [&]() {
         if (kda_cuda_prefill(cu, &pool, dseqs, dn, n, nullptr, &err) != KDA_OK) {
             fprintf(stderr, "bench_ipc: %s\n", err.msg);

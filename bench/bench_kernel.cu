@@ -111,10 +111,7 @@ static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t
     }
     kda_seq *dseqs;
     int32_t *dn;
-    GPU_CHECK(cudaMalloc(&dseqs, sizeof(kda_seq) * N));
-    GPU_CHECK(cudaMemcpy(dseqs, seqs.data(), sizeof(kda_seq) * N, cudaMemcpyHostToDevice));
-    GPU_CHECK(cudaMalloc(&dn, sizeof(int32_t)));
-    GPU_CHECK(cudaMemcpy(dn, &N, sizeof(int32_t), cudaMemcpyHostToDevice));
+    gpu_upload_table(seqs.data(), N, &dseqs, &dn);
 
     auto launch = [&]() {
         if (kda_cuda_prefill(cu, &pool, dseqs, dn, N, nullptr, &err) != KDA_OK) {

@@ -164,8 +164,7 @@ int bench_cuda_alloc(const char *gpu_uuid, uint64_t bytes, const void *image, ui
     int rc = KDAC_OK;
     if (vmm) {
         rc = alloc_vmm(device, bytes, m, fd, err);
-    } else if ((e = cudaMalloc(&m->ptr, (bytes + CUDA_ALLOC_ROUND - 1) / CUDA_ALLOC_ROUND * CUDA_ALLOC_ROUND)) !=
-               cudaSuccess) {
+    } else if ((e = cudaMalloc(&m->ptr, bench_align(bytes, CUDA_ALLOC_ROUND))) != cudaSuccess) {
         rc = cuda_fail(err, KDAC_E_SYSTEM, "cudaMalloc", e);
     }
     if (rc) {

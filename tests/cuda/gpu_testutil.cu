@@ -191,6 +191,14 @@ void gpu_fill_uniform_f32(float *x, size_t n, uint64_t seed, float lo, float hi)
     GPU_CHECK(cudaGetLastError());
 }
 
+void gpu_upload_table(const kda_seq *seqs, int32_t n, kda_seq **seqs_dev, int32_t **n_dev)
+{
+    GPU_CHECK(cudaMalloc(seqs_dev, sizeof(kda_seq) * (n > 0 ? n : 1)));
+    GPU_CHECK(cudaMemcpy(*seqs_dev, seqs, sizeof(kda_seq) * n, cudaMemcpyHostToDevice));
+    GPU_CHECK(cudaMalloc(n_dev, sizeof(int32_t)));
+    GPU_CHECK(cudaMemcpy(*n_dev, &n, sizeof(int32_t), cudaMemcpyHostToDevice));
+}
+
 void gpu_oracle(const kda_seq *seqs_dev, int32_t nseqs, const kda_pool *before, const uint16_t *out_base,
                 double *out_ref, double *state_ref)
 {

@@ -29,6 +29,10 @@ void gpu_fill_normal_bf16(uint16_t *x, size_t n, uint64_t seed, float mean, floa
 void gpu_fill_normal_state(void *x, kda_dtype dtype, size_t n, uint64_t seed, float stddev);
 void gpu_fill_uniform_f32(float *x, size_t n, uint64_t seed, float lo, float hi);
 
+/* A batch's descriptor table and its live count, copied to device memory as kda_cuda_prefill
+ * reads them (the caller cudaFrees both). */
+void gpu_upload_table(const kda_seq *seqs, int32_t n, kda_seq **seqs_dev, int32_t **n_dev);
+
 /*
  * float64 oracle of a batch.  seqs_dev: the descriptors the backend ran
  * (read for lengths, tensors, layer, slot, flags); before: the pool as it

@@ -382,10 +382,7 @@ static void sequences_in_separate_buffers(void **unused)
     all.insert(all.end(), c.seqs.begin(), c.seqs.begin() + c.nseqs);
     kda_seq *dseqs;
     int32_t *dn, nn = int32_t(all.size());
-    GPU_CHECK(cudaMalloc(&dseqs, sizeof(kda_seq) * all.size()));
-    GPU_CHECK(cudaMemcpy(dseqs, all.data(), sizeof(kda_seq) * all.size(), cudaMemcpyHostToDevice));
-    GPU_CHECK(cudaMalloc(&dn, sizeof nn));
-    GPU_CHECK(cudaMemcpy(dn, &nn, sizeof nn, cudaMemcpyHostToDevice));
+    gpu_upload_table(all.data(), nn, &dseqs, &dn);
     launch(pool, dseqs, dn, nn);
     double oe[2], se[2];
     oracle_errors(a, before, pool, &oe[0], &se[0]);
