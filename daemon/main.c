@@ -125,15 +125,20 @@ int main(int argc, char **argv)
     int rc = kd_daemon_init(&d, &loop, &cfg, config_path, &ov, err, sizeof(err));
     if (rc != KD_EXIT_OK) {
         KD_ERROR("start-up: %s", err);
-    } else if ((rc = kd_daemon_listen(&d, err, sizeof(err))) != KD_EXIT_OK) {
-        KD_ERROR("start-up: %s", err);
-        kd_daemon_drain(&d);
-        uv_run(&loop, UV_RUN_DEFAULT);
     } else {
+        /* Before the socket accepts anyone: a client may send SIGTERM as soon
+         * as it can connect, and the default action would kill kdad undrained. */
         kd_daemon_handle_signals(&d);
-        kd_daemon_ready(&d);
+        rc = kd_daemon_listen(&d, err, sizeof(err));
+        if (rc != KD_EXIT_OK) {
+            KD_ERROR("start-up: %s", err);
+            kd_daemon_drain(&d);
+        } else {
+            kd_daemon_ready(&d);
+        }
         uv_run(&loop, UV_RUN_DEFAULT);
-        rc = d.exit_code;
+        if (rc == KD_EXIT_OK)
+            rc = d.exit_code;
     }
     kd_daemon_destroy(&d);
     uv_run(&loop, UV_RUN_DEFAULT); /* close callbacks of a backend torn down after a failed start */

@@ -111,7 +111,7 @@ int dh_backend_available(const char *yaml)
     return 0;
 }
 
-int dh_start(dh_daemon *d, const char *yaml)
+void dh_spawn(dh_daemon *d, const char *yaml)
 {
     memset(d, 0, sizeof(*d));
     snprintf(d->dir, sizeof(d->dir), "/tmp/kdad-test-XXXXXX");
@@ -134,7 +134,16 @@ int dh_start(dh_daemon *d, const char *yaml)
     posix_spawn_file_actions_destroy(&fa);
     assert_int_equal(rc, 0);
     running_pid = d->pid;
+}
 
+bool dh_accepts(const dh_daemon *d)
+{
+    return socket_accepts(d->sock);
+}
+
+int dh_start(dh_daemon *d, const char *yaml)
+{
+    dh_spawn(d, yaml);
     double deadline = now_ms() + START_WAIT_MS;
     while (now_ms() < deadline) {
         int status;

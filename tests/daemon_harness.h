@@ -41,6 +41,10 @@ typedef struct dh_daemon {
  * test otherwise, printing the daemon's log.
  */
 int dh_start(dh_daemon *d, const char *yaml);
+/* dh_start's first half: writes the config and spawns kdad, without waiting. */
+void dh_spawn(dh_daemon *d, const char *yaml);
+/* Whether the daemon's socket accepts a connection now. */
+bool dh_accepts(const dh_daemon *d);
 /* dh_start inside a test: skips the test when the backend is unavailable. */
 void dh_start_or_skip(dh_daemon *d, const char *yaml);
 /* Starts and stops a daemon once: 77 when its backend is unavailable (the suite skips), else 0. */

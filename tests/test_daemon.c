@@ -1053,6 +1053,28 @@ static void test_sigterm_drains(void **unused)
     dh_expect_exit(&d, 0); /* it exits by itself after the drain */
 }
 
+/* SIGTERM the moment the socket first accepts: kdad must already handle it
+ * (drain, exit 0), not die of the default action.  The socket is polled
+ * without sleeping so the signal lands as early as a client could send it. */
+static void test_sigterm_at_first_accept(void **unused)
+{
+    enum { ROUNDS = 20 };
+    for (int round = 0; round < ROUNDS; round++) {
+        dh_daemon d;
+        dh_spawn(&d, base_yaml);
+        while (!dh_accepts(&d)) {
+            int status;
+            if (waitpid(d.pid, &status, WNOHANG) == d.pid) {
+                if (WIFEXITED(status) && WEXITSTATUS(status) == 69)
+                    skip(); /* the backend is unavailable */
+                fail_msg("round %d: kdad exited during start-up (status 0x%x)", round, status);
+            }
+        }
+        kill(d.pid, SIGTERM);
+        dh_expect_exit(&d, 0); /* -1 (and the log printed) if the signal killed it */
+    }
+}
+
 static void write_layer_file(const char *path, const dh_layer *l, const char *a_name)
 {
     st_writer *w = st_writer_new();
@@ -1386,6 +1408,7 @@ int main(void)
         cmocka_unit_test_teardown(test_disconnect_mid_request, dh_teardown),
         cmocka_unit_test_teardown(test_malformed_frames, dh_teardown),
         cmocka_unit_test_teardown(test_sigterm_drains, dh_teardown),
+        cmocka_unit_test_teardown(test_sigterm_at_first_accept, dh_teardown),
         cmocka_unit_test_teardown(test_config_layers_and_reload, dh_teardown),
         cmocka_unit_test_teardown(test_check_config_cli, dh_teardown),
         cmocka_unit_test_teardown(test_metrics_file, dh_teardown),
