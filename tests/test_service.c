@@ -174,15 +174,22 @@ static void test_socket_activation_notify_prometheus(void **unused)
     close(logfd);
     running = pid;
 
-    /* The launcher listens first; kdad starts with the first connection. */
-    int tries = 0;
-    while (access(sock, F_OK) != 0 && tries++ < 500)
-        usleep(10000);
-    assert_int_equal(access(sock, F_OK), 0);
-    int first = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    /* The launcher listens first; kdad starts with the first connection.  (The
+     * socket file appears at bind, before listen: connect until it accepts.) */
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
-    assert_int_equal(connect(first, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    int first = -1;
+    for (int tries = 0; first < 0 && tries < 500; tries++) {
+        first = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        assert_true(first >= 0);
+        if (connect(first, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+            close(first);
+            first = -1;
+            usleep(10000);
+        }
+    }
+    if (first < 0)
+        fail_msg("the launcher's socket %s accepted no connection in 5 s", sock);
     if (!notify_wait(nfd, "READY=1", 30000, got, sizeof(got))) {
         char *text = slurp(log);
         fail_msg("no READY=1 from kdad; its log:\n%s", text);
