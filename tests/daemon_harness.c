@@ -425,30 +425,45 @@ void dh_attach_ring(dh_client *c, kp_ring *ring, void *map, uint32_t region, uin
     c->ring = ring;
 }
 
-void dh_write(dh_client *c, const void *bytes, size_t n)
+/* Writes all n bytes; false if the daemon has closed the connection. */
+static bool write_all(dh_client *c, const void *bytes, size_t n)
 {
     if (c->ring) {
         ring_write(c, bytes, n);
-        return;
+        return true;
     }
     const uint8_t *p = bytes;
     while (n > 0) {
         ssize_t w = send(c->fd, p, n, MSG_NOSIGNAL);
         if (w < 0 && errno == EINTR)
             continue;
+        if (w < 0 && (errno == EPIPE || errno == ECONNRESET))
+            return false;
         assert_true(w > 0);
         p += w;
         n -= (size_t)w;
     }
+    return true;
 }
 
-void dh_send(dh_client *c)
+void dh_write(dh_client *c, const void *bytes, size_t n)
+{
+    assert_true(write_all(c, bytes, n));
+}
+
+bool dh_try_send(dh_client *c)
 {
     uint8_t *frame;
     size_t len;
     assert_int_equal(kp_writer_flatten(&c->w, &frame, &len, NULL), KP_OK);
-    dh_write(c, frame, len);
+    bool sent = write_all(c, frame, len);
     free(frame);
+    return sent;
+}
+
+void dh_send(dh_client *c)
+{
+    assert_true(dh_try_send(c));
 }
 
 void dh_write_fd(dh_client *c, const void *bytes, size_t n, int fd)

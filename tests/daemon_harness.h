@@ -123,6 +123,8 @@ uint32_t dh_id(dh_client *c);
 void dh_write(dh_client *c, const void *bytes, size_t n);
 void dh_send(dh_client *c);
 void dh_send_fd(dh_client *c, int fd);
+/* dh_send that returns false, instead of failing, if kdad has closed the connection. */
+bool dh_try_send(dh_client *c);
 /* Writes raw bytes, passing fd with the first of them. */
 void dh_write_fd(dh_client *c, const void *bytes, size_t n, int fd);
 
