@@ -1,0 +1,192 @@
+/*
+ * seeds.c - writes fuzz_wire's seed inputs into a folder: valid frames of
+ * the requests a client sends and of the answers it reads, as a socket
+ * stream (all of them back to back, and each alone) and through a ring
+ * (read by either side),
+ * so that the fuzzer starts from the shapes of real traffic.
+ *
+ *   fuzz_seeds DIR
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kdaproto.h"
+
+#define HEADS 1 /* fuzz_wire's session */
+#define MAX_STREAM (1u << 20)
+
+static uint8_t stream[MAX_STREAM];
+static size_t stream_len;
+static int nseeds;
+
+static void write_seed(const char *dir, uint8_t mode, const uint8_t *a, size_t alen,
+                       const uint8_t *b, size_t blen)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/seed-%03d", dir, nseeds++);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(&mode, 1, 1, f) != 1 || fwrite(a, 1, alen, f) != alen ||
+        (blen && fwrite(b, 1, blen, f) != blen) || fclose(f) != 0) {
+        fprintf(stderr, "fuzz_seeds: cannot write %s\n", path);
+        exit(1);
+    }
+}
+
+/* Takes the writer's frame: a seed of its own, and appended to the stream. */
+static void take(const char *dir, kp_writer *w, int rc, const kp_error *e)
+{
+    uint8_t *frame;
+    size_t len;
+    kp_error ferr;
+    if (rc != KP_OK || kp_writer_flatten(w, &frame, &len, &ferr) != KP_OK) {
+        fprintf(stderr, "fuzz_seeds: encoding seed %d: %s\n", nseeds, rc ? e->message : ferr.message);
+        exit(1);
+    }
+    write_seed(dir, 0, frame, len, NULL, 0);
+    if (stream_len + len <= MAX_STREAM) {
+        memcpy(stream + stream_len, frame, len);
+        stream_len += len;
+    }
+    free(frame);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: fuzz_seeds DIR\n");
+        return 2;
+    }
+    const char *dir = argv[1];
+    kp_writer w;
+    kp_error e;
+    if (kp_writer_init(&w, KP_DEFAULT_MAX_FRAME_BYTES) != KP_OK)
+        return 1;
+    static uint16_t tok[2 * HEADS * 128], beta[2 * HEADS];
+    static float a_log[HEADS], dt_bias[HEADS * 128];
+    uint32_t id = 1;
+
+    /* requests */
+    kp_hello_params hello = {{1}, 1, "fuzz_seeds"};
+    take(dir, &w, kp_hello_params_encode(&w, id++, &hello, &e), &e);
+    take(dir, &w, kp_health_params_encode(&w, id++, &e), &e);
+    take(dir, &w, kp_stats_params_encode2(&w, id++, 1, &e), &e);
+    kp_layer_register_params layer = {"L", kp_ref_inline(a_log, sizeof(a_log)),
+                                      kp_ref_inline(dt_bias, sizeof(dt_bias)), -5.0f, 1.0f};
+    take(dir, &w, kp_layer_register_params_encode(&w, id++, &layer, &e), &e);
+    take(dir, &w, kp_layer_list_params_encode(&w, id++, &e), &e);
+    kp_layer_drop_params drop = {"L"};
+    take(dir, &w, kp_layer_drop_params_encode(&w, id++, &drop, &e), &e);
+    kp_slot_alloc_params alloc = {2, true};
+    take(dir, &w, kp_slot_alloc_params_encode(&w, id++, &alloc, &e), &e);
+    const uint64_t slots[2] = {1, 2};
+    kp_slot_list list = {slots, 2};
+    take(dir, &w, kp_slot_free_params_encode(&w, id++, &list, &e), &e);
+    take(dir, &w, kp_slot_reset_params_encode(&w, id++, &list, &e), &e);
+    kp_slot_fork_params fork = {1, true, 2};
+    take(dir, &w, kp_slot_fork_params_encode(&w, id++, &fork, &e), &e);
+    kp_slot_read_params read = {1, true, KP_DTYPE_F32, kp_ref_region(1, 0, HEADS * 128 * 128 * 4)};
+    take(dir, &w, kp_slot_read_params_encode(&w, id++, &read, &e), &e);
+    kp_slot_write_params write = {2, 7, KP_DTYPE_F32, kp_ref_region(1, 0, HEADS * 128 * 128 * 4)};
+    take(dir, &w, kp_slot_write_params_encode(&w, id++, &write, &e), &e);
+    kp_slot_info_params info = {true, list};
+    take(dir, &w, kp_slot_info_params_encode(&w, id++, &info, &e), &e);
+    kp_region_register_shm_params shm = {1 << 20};
+    take(dir, &w, kp_region_register_shm_params_encode(&w, id++, &shm, &e), &e);
+    kp_region_release_params release = {1};
+    take(dir, &w, kp_region_release_params_encode(&w, id++, &release, &e), &e);
+    static const uint8_t ipc_handle[KP_CUDA_IPC_HANDLE_BYTES];
+    kp_region_register_cuda_params cuda = {1 << 20, "GPU-00000000-0000-0000-0000-000000000000",
+                                           KP_CUDA_HANDLE_IPC, ipc_handle};
+    take(dir, &w, kp_region_register_cuda_params_encode(&w, id++, &cuda, &e), &e);
+    kp_ring_attach_params ring = {1, 4096};
+    take(dir, &w, kp_ring_attach_params_encode(&w, id++, &ring, &e), &e);
+    kp_prefill_seq seqs[3];
+    memset(seqs, 0, sizeof(seqs));
+    for (int i = 0; i < 3; i++) {
+        seqs[i].slot = (uint64_t)i + 1;
+        seqs[i].len = 2;
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+            uint64_t n = t == KP_TENSOR_BETA ? sizeof(beta) : sizeof(tok);
+            seqs[i].tensors[t] = i == 0 && t != KP_TENSOR_OUT
+                                     ? kp_ref_inline(t == KP_TENSOR_BETA ? (void *)beta : tok, n)
+                                     : kp_ref_region(1, 4096u * (uint64_t)(i * 8 + t), n);
+        }
+    }
+    seqs[0].out = (kp_ref){0}; /* output inline */
+    seqs[1].has_expect_pos = true;
+    seqs[1].expect_pos = 4;
+    seqs[2].fresh = true;
+    kp_prefill_params prefill = {"L", seqs, 3};
+    take(dir, &w, kp_prefill_params_encode(&w, id++, &prefill, &e), &e);
+
+    /* answers */
+    take(dir, &w, kp_empty_result_encode(&w, 1, &e), &e);
+    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS};
+    kp_hello_result hr = {.version = 1, .server = "kdad 0.1.0", .instance = 7,
+                          .backend = KP_BACKEND_CUDA, .has_gpu = true,
+                          .gpu = {"NVIDIA H200", "GPU-00000000-0000-0000-0000-000000000000", 0},
+                          .geometry = {HEADS, 128, 64, KP_DTYPE_F32},
+                          .transports = KP_TRANSPORT_INLINE | KP_TRANSPORT_SHM | KP_TRANSPORT_CUDA_IPC,
+                          .features = features, .nfeatures = 1};
+    kp_limits_default(&hr.limits);
+    take(dir, &w, kp_hello_result_encode(&w, 1, &hr, &e), &e);
+    kp_health_result health;
+    memset(&health, 0, sizeof(health));
+    take(dir, &w, kp_health_result_encode(&w, 2, &health, &e), &e);
+    kp_stats_result stats;
+    memset(&stats, 0, sizeof(stats));
+    static const uint64_t bounds[2] = {100, 1000}, counts[3] = {5, 2, 1};
+    static const kp_counter errors[1] = {{"BUSY", 3}}, disconnects[1] = {{"closed", 2}};
+    static const kp_phase phases[1] = {{"device", 10, 20, 30, 400}};
+    stats.latency_bounds_us = bounds;
+    stats.latency_counts = counts;
+    stats.latency_nbounds = 2;
+    stats.errors = errors;
+    stats.nerrors = 1;
+    stats.disconnects = disconnects;
+    stats.ndisconnects = 1;
+    stats.prometheus = "kdad_requests_total 1\n";
+    stats.has_batch_phases = true;
+    stats.batch_count = 4;
+    stats.batch_window = 4;
+    stats.phases = phases;
+    stats.nphases = 1;
+    take(dir, &w, kp_stats_result_encode(&w, 3, &stats, &e), &e);
+    kp_layer_register_result created = {true};
+    take(dir, &w, kp_layer_register_result_encode(&w, 4, &created, &e), &e);
+    kp_layer_info layer_info = {"L", -5.0f, 1.0f, KP_LAYER_SOURCE_CLIENT};
+    kp_layer_list_result layers = {&layer_info, 1};
+    take(dir, &w, kp_layer_list_result_encode(&w, 5, &layers, &e), &e);
+    take(dir, &w, kp_slot_alloc_result_encode(&w, 7, &list, &e), &e);
+    kp_slot_fork_result forked = {2, 7};
+    take(dir, &w, kp_slot_fork_result_encode(&w, 10, &forked, &e), &e);
+    kp_slot_info slot_infos[2] = {{1, 7, KP_SLOT_READY, 0}, {2, 0, KP_SLOT_EMPTY, 1}};
+    kp_slot_info_result infos = {slot_infos, 2, 60, 8};
+    take(dir, &w, kp_slot_info_result_encode(&w, 13, &infos, &e), &e);
+    kp_slot_read_result state = {7, KP_DTYPE_F32, {0}};
+    take(dir, &w, kp_slot_read_result_encode(&w, 11, &state, &e), &e);
+    kp_region_register_result region = {1};
+    take(dir, &w, kp_region_register_result_encode(&w, 14, &region, &e), &e);
+    kp_prefill_seq_result outs[3] = {{2, {0}}, {6, {0}}, {2, {0}}};
+    kp_prefill_result result = {outs, 3, 10, 20, true, 15, 12};
+    take(dir, &w, kp_prefill_result_encode(&w, 17, &result, &e), &e);
+    kp_error busy;
+    kp_fail(&busy, KP_E_BUSY, "the queue is full");
+    take(dir, &w, kp_error_response_encode(&w, 18, &busy, &e), &e);
+    kp_error bye;
+    kp_fail(&bye, KP_E_SHUTTING_DOWN, "the daemon is shutting down");
+    take(dir, &w, kp_goodbye_encode(&w, &bye, &e), &e);
+
+    /* the whole stream, and its start through a ring (head: the bytes there, tail: 0) */
+    write_seed(dir, 0, stream, stream_len, NULL, 0);
+    uint8_t counters[16] = {0};
+    size_t in_ring = stream_len < KP_RING_MIN_SIZE ? stream_len : KP_RING_MIN_SIZE;
+    for (int i = 0; i < 8; i++)
+        counters[i] = (uint8_t)((uint64_t)in_ring >> (8 * i));
+    write_seed(dir, 1, counters, sizeof(counters), stream, in_ring); /* the daemon reads */
+    write_seed(dir, 3, counters, sizeof(counters), stream, in_ring); /* the client reads */
+    kp_writer_close(&w);
+    printf("fuzz_seeds: %d seeds in %s\n", nseeds, dir);
+    return 0;
+}
