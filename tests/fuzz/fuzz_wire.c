@@ -87,6 +87,39 @@ static void decode_results(kp_msg *msg)
     kp_prefill_result_decode(msg, &session, &result_req, &prefill, &e);
 }
 
+/* Regions 1..4 of a connection (1 holds the seeds' references); others are not registered. */
+static const uint64_t region_sizes[5] = {0, 1u << 20, 0, 4096, UINT64_MAX};
+
+static int region_size(void *ctx, uint32_t region, uint64_t *size)
+{
+    (void)ctx;
+    if (region < 1 || region > 4)
+        return KP_E_REGION_INVALID;
+    *size = region_sizes[region];
+    return KP_OK;
+}
+
+/* A prefill the bounds check passes names only bytes inside its regions (overflow-safe). */
+static void check_prefill_regions(kp_msg *msg)
+{
+    kp_prefill_params p;
+    kp_error e;
+    if (kp_prefill_params_decode(msg, &session, &p, &e) != KP_OK ||
+        kp_prefill_check_regions(&p, region_size, NULL, &e) != KP_OK)
+        return;
+    for (uint32_t i = 0; i < p.nseqs; i++) {
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+            const kp_ref *r = &p.seqs[i].tensors[t];
+            uint64_t end;
+            if (r->kind != KP_REF_REGION)
+                continue;
+            if (r->region < 1 || r->region > 4 || __builtin_add_overflow(r->offset, r->nbytes, &end) ||
+                end > region_sizes[r->region])
+                abort(); /* the bounds check let a reference out of its region */
+        }
+    }
+}
+
 /* One frame body, as the daemon (requests) or libkdaclient (the rest) sees it. */
 static void check_body(const uint8_t *body, size_t len)
 {
@@ -100,7 +133,10 @@ static void check_body(const uint8_t *body, size_t len)
     kp_msg_init(&msg);
     if (kp_msg_decode(&msg, body, len, KP_DEFAULT_MAX_FRAME_BYTES, &e) == KP_OK) {
         switch (msg.kind) {
-        case KP_MSG_REQUEST: decode_params(&msg, &session, &e); break;
+        case KP_MSG_REQUEST:
+            if (decode_params(&msg, &session, &e) == KP_OK && msg.method == KP_METHOD_PREFILL)
+                check_prefill_regions(&msg);
+            break;
         case KP_MSG_RESPONSE: decode_results(&msg); break;
         case KP_MSG_NOTIFICATION: kp_goodbye_decode(&msg, &remote, &e); break;
         }

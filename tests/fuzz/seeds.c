@@ -119,6 +119,22 @@ int main(int argc, char **argv)
     seqs[2].fresh = true;
     kp_prefill_params prefill = {"L", seqs, 3};
     take(dir, &w, kp_prefill_params_encode(&w, id++, &prefill, &e), &e);
+    /* inputs at the edges of fuzz_wire's regions: ending at the last byte of region 3 (4096
+     * bytes; offsets are multiples of 16), 16 bytes past it, and past the end of the address
+     * space in region 4 (UINT64_MAX bytes) */
+    kp_prefill_seq edge = seqs[1];
+    for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+        uint64_t n = edge.tensors[t].nbytes;
+        edge.tensors[t] = kp_ref_region(3, (4096 - n) / 16 * 16, n);
+    }
+    edge.out.region = 1; /* the output may overlap no input */
+    edge.out.offset = 0;
+    kp_prefill_params at_edge = {"L", &edge, 1};
+    take(dir, &w, kp_prefill_params_encode(&w, id++, &at_edge, &e), &e);
+    edge.q.offset += 16;
+    take(dir, &w, kp_prefill_params_encode(&w, id++, &at_edge, &e), &e);
+    edge.q = kp_ref_region(4, UINT64_MAX - 255, edge.q.nbytes); /* aligned; the end wraps */
+    take(dir, &w, kp_prefill_params_encode(&w, id++, &at_edge, &e), &e);
 
     /* answers */
     take(dir, &w, kp_empty_result_encode(&w, 1, &e), &e);
