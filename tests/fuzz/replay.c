@@ -1,8 +1,8 @@
 /*
- * replay.c - runs fuzz_wire's LLVMFuzzerTestOneInput over files, for
+ * replay.c - runs a fuzz target's LLVMFuzzerTestOneInput over files, for
  * builds without libFuzzer (ctest runs the seeds and the corpus this way).
  *
- *   fuzz_wire_replay FILE|DIR...
+ *   fuzz_wire_replay FILE|DIR...      (fuzz_config_replay likewise)
  */
 #include <dirent.h>
 #include <stdint.h>
@@ -65,6 +65,6 @@ int main(int argc, char **argv)
         if (d)
             closedir(d);
     }
-    printf("fuzz_wire_replay: %d inputs\n", inputs);
+    printf("%s: %d inputs\n", argv[0], inputs);
     return failed || inputs == 0;
 }
