@@ -2,16 +2,19 @@
  * seeds.c - writes fuzz_wire's seed inputs into a folder: valid frames of
  * the requests a client sends and of the answers it reads, as a socket
  * stream (all of them back to back, and each alone) and through a ring
- * (read by either side),
- * so that the fuzzer starts from the shapes of real traffic.
+ * (read by either side), so that the fuzzer starts from the shapes of real
+ * traffic.
  *
- *   fuzz_seeds DIR
+ * With --safetensors: fuzz_safetensors' seeds instead, kdactl prefill inputs.
+ *
+ *   fuzz_seeds [--safetensors] DIR
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kdaproto.h"
+#include "safetensors.h"
 
 #define HEADS 1 /* fuzz_wire's session */
 #define MAX_STREAM (1u << 20)
@@ -20,14 +23,15 @@ static uint8_t stream[MAX_STREAM];
 static size_t stream_len;
 static int nseeds;
 
-static void write_seed(const char *dir, uint8_t mode, const uint8_t *a, size_t alen,
-                       const uint8_t *b, size_t blen)
+/* Writes a seed file: head (hlen bytes: fuzz_wire's mode byte, or none), then body. */
+static void write_seed(const char *dir, const void *head, size_t hlen, const void *body,
+                       size_t blen)
 {
     char path[512];
     snprintf(path, sizeof(path), "%s/seed-%03d", dir, nseeds++);
     FILE *f = fopen(path, "wb");
-    if (!f || fwrite(&mode, 1, 1, f) != 1 || fwrite(a, 1, alen, f) != alen ||
-        (blen && fwrite(b, 1, blen, f) != blen) || fclose(f) != 0) {
+    if (!f || (hlen && fwrite(head, 1, hlen, f) != hlen) ||
+        (blen && fwrite(body, 1, blen, f) != blen) || fclose(f) != 0) {
         fprintf(stderr, "fuzz_seeds: cannot write %s\n", path);
         exit(1);
     }
@@ -43,7 +47,8 @@ static void take(const char *dir, kp_writer *w, int rc, const kp_error *e)
         fprintf(stderr, "fuzz_seeds: encoding seed %d: %s\n", nseeds, rc ? e->message : ferr.message);
         exit(1);
     }
-    write_seed(dir, 0, frame, len, NULL, 0);
+    static const uint8_t stream_mode = 0;
+    write_seed(dir, &stream_mode, 1, frame, len);
     if (stream_len + len <= MAX_STREAM) {
         memcpy(stream + stream_len, frame, len);
         stream_len += len;
@@ -51,10 +56,48 @@ static void take(const char *dir, kp_writer *w, int rc, const kp_error *e)
     free(frame);
 }
 
+/* fuzz_safetensors' seeds: kdactl prefill inputs of 1 head, 3 tokens in 2 sequences, without
+ * and with metadata and an initial state. */
+static int safetensors_seeds(const char *dir)
+{
+    static uint16_t tok[3 * 128], beta[3], init[2 * 128 * 128];
+    static float a_log[1], dt_bias[128];
+    static const int64_t cu[3] = {0, 1, 3};
+    const int64_t s_a[1] = {1}, s_dt[2] = {1, 128}, s_tok[3] = {3, 1, 128}, s_beta[2] = {3, 1},
+                  s_cu[1] = {3}, s_init[4] = {2, 1, 128, 128};
+    for (int with_state = 0; with_state < 2; with_state++) {
+        st_writer *sw = st_writer_new();
+        char err[ST_ERRMSG_MAX];
+        void *buf;
+        size_t len;
+        int rc = !sw || st_writer_add(sw, "A_log", ST_F32, 1, s_a, a_log) ||
+                 st_writer_add(sw, "dt_bias", ST_F32, 2, s_dt, dt_bias) ||
+                 st_writer_add(sw, "cu_seqlens", ST_I64, 1, s_cu, cu) ||
+                 st_writer_add(sw, "beta", ST_BF16, 2, s_beta, beta);
+        const char *names[4] = {"q", "k", "v", "g"};
+        for (int t = 0; t < 4 && !rc; t++)
+            rc = st_writer_add(sw, names[t], ST_BF16, 3, s_tok, tok);
+        if (!rc && with_state)
+            rc = st_writer_add(sw, "initial_state", ST_BF16, 4, s_init, init) ||
+                 st_writer_meta(sw, "lower_bound", "-3.5") || st_writer_meta(sw, "scale", "0.125");
+        if (rc || st_writer_serialize(sw, &buf, &len, err, sizeof(err))) {
+            fprintf(stderr, "fuzz_seeds: a safetensors seed did not serialise\n");
+            return 1;
+        }
+        write_seed(dir, NULL, 0, buf, len);
+        free(buf);
+        st_writer_free(sw);
+    }
+    printf("fuzz_seeds: %d seeds in %s\n", nseeds, dir);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 3 && strcmp(argv[1], "--safetensors") == 0)
+        return safetensors_seeds(argv[2]);
     if (argc != 2) {
-        fprintf(stderr, "usage: fuzz_seeds DIR\n");
+        fprintf(stderr, "usage: fuzz_seeds [--safetensors] DIR\n");
         return 2;
     }
     const char *dir = argv[1];
@@ -194,14 +237,17 @@ int main(int argc, char **argv)
     kp_fail(&bye, KP_E_SHUTTING_DOWN, "the daemon is shutting down");
     take(dir, &w, kp_goodbye_encode(&w, &bye, &e), &e);
 
-    /* the whole stream, and its start through a ring (head: the bytes there, tail: 0) */
-    write_seed(dir, 0, stream, stream_len, NULL, 0);
-    uint8_t counters[16] = {0};
+    /* the whole stream, and its start through a ring (head: the bytes there, tail: 0),
+     * read by the daemon (mode 1) and by the client (mode 3) */
+    static const uint8_t modes[3] = {0, 1, 3};
+    write_seed(dir, &modes[0], 1, stream, stream_len);
+    static uint8_t ring_bytes[16 + KP_RING_MIN_SIZE];
     size_t in_ring = stream_len < KP_RING_MIN_SIZE ? stream_len : KP_RING_MIN_SIZE;
     for (int i = 0; i < 8; i++)
-        counters[i] = (uint8_t)((uint64_t)in_ring >> (8 * i));
-    write_seed(dir, 1, counters, sizeof(counters), stream, in_ring); /* the daemon reads */
-    write_seed(dir, 3, counters, sizeof(counters), stream, in_ring); /* the client reads */
+        ring_bytes[i] = (uint8_t)((uint64_t)in_ring >> (8 * i));
+    memcpy(ring_bytes + 16, stream, in_ring);
+    write_seed(dir, &modes[1], 1, ring_bytes, 16 + in_ring);
+    write_seed(dir, &modes[2], 1, ring_bytes, 16 + in_ring);
     kp_writer_close(&w);
     printf("fuzz_seeds: %d seeds in %s\n", nseeds, dir);
     return 0;
