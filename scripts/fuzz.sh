@@ -6,10 +6,11 @@
 #           config/kdad.yaml and tests/fuzz/config;
 #   safetensors  the safetensors reader and kdactl's prefill input check
 #           (tests/fuzz/fuzz_safetensors.c), seeded by `fuzz_seeds --safetensors`.
-# Runs for SECONDS (default 300) on JOBS processes (default 1), growing
-# build-fuzz/corpus-TARGET.  A finding is written to build-fuzz/crash-* (libFuzzer
-# prints how to reproduce it); once it is fixed, copy it into tests/fuzz/corpus/ (wire)
-# or tests/fuzz/config/ (config), so that every ctest run replays it.
+# Runs for SECONDS (default 300) on JOBS processes (default 1) in build-fuzz/run-TARGET,
+# growing its corpus/.  A finding is written there as crash-* (libFuzzer prints how to
+# reproduce it); once it is fixed, keep it where every ctest run replays it:
+# tests/fuzz/corpus/ (wire), tests/fuzz/config/ (config), a case of
+# tests/test_safetensors.c (safetensors).
 #
 #   scripts/fuzz.sh [wire|config|safetensors] [SECONDS] [JOBS]
 set -euo pipefail
@@ -21,21 +22,16 @@ dir=build-fuzz
 cmake -S . -B "$dir" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDAD_FUZZ=ON \
       -DKDAD_GOLDEN_DIR="${KDAD_GOLDEN_DIR:-$PWD/../shared/golden}" >/dev/null
 cmake --build "$dir" -j"$(nproc)" --target "fuzz_$target" fuzz_seeds >/dev/null
-mkdir -p "$dir/corpus-$target"
-if [ "$target" = wire ]; then
-  mkdir -p "$dir/seeds"
-  "$dir/tests/fuzz/fuzz_seeds" "$dir/seeds" >/dev/null
-  inputs=("corpus-$target" seeds)
-  [ -d tests/fuzz/corpus ] && inputs+=(../tests/fuzz/corpus)
-elif [ "$target" = config ]; then
-  mkdir -p "$dir/seeds-config"
-  cp config/kdad.yaml tests/fuzz/config/* "$dir/seeds-config/"
-  inputs=("corpus-$target" seeds-config)
-else
-  mkdir -p "$dir/seeds-safetensors"
-  "$dir/tests/fuzz/fuzz_seeds" --safetensors "$dir/seeds-safetensors" >/dev/null
-  inputs=("corpus-$target" seeds-safetensors)
-fi
-cd "$dir"
-"./tests/fuzz/fuzz_$target" -max_total_time="$seconds" -jobs="$jobs" -workers="$jobs" \
+# Each target runs in its own folder: its corpus, seeds, logs (fuzz-N.log) and findings.
+run=$dir/run-$target
+mkdir -p "$run/corpus" "$run/seeds"
+case $target in
+  wire)        "$dir/tests/fuzz/fuzz_seeds" "$run/seeds" >/dev/null ;;
+  config)      cp config/kdad.yaml tests/fuzz/config/* "$run/seeds/" ;;
+  safetensors) "$dir/tests/fuzz/fuzz_seeds" --safetensors "$run/seeds" >/dev/null ;;
+esac
+inputs=(corpus seeds)
+[ "$target" = wire ] && [ -d tests/fuzz/corpus ] && inputs+=(../../tests/fuzz/corpus)
+cd "$run"
+"../tests/fuzz/fuzz_$target" -max_total_time="$seconds" -jobs="$jobs" -workers="$jobs" \
   -max_len=65536 -print_final_stats=1 "${inputs[@]}"
