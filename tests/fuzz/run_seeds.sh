@@ -1,13 +1,15 @@
 #!/bin/sh
-# The test fuzz_wire_seeds: fuzz_seeds writes the seeds into a temporary folder, and
-# fuzz_wire_replay runs them and every input kept in CORPUS (when there is one).
-#   run_seeds.sh FUZZ_SEEDS FUZZ_WIRE_REPLAY CORPUS
+# The fuzz_*_seeds tests: SEEDER writes seeds into a temporary folder, and REPLAY runs them
+# and every input kept in CORPUS (when that folder exists).
+#   run_seeds.sh REPLAY CORPUS SEEDER [SEEDER_ARGS...]
 set -e
+replay=$1 corpus=$2
+shift 2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-"$1" "$dir" >/dev/null
-if [ -d "$3" ]; then
-  "$2" "$dir" "$3"
+"$@" "$dir" >/dev/null
+if [ -d "$corpus" ]; then
+  "$replay" "$dir" "$corpus"
 else
-  "$2" "$dir"
+  "$replay" "$dir"
 fi
