@@ -19,13 +19,6 @@
 #include "prefill_io.h"
 #include "safetensors.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    return 0;
-}
-
 /* Every tensor of a parsed file: inside the buffer, its size from dtype and shape. */
 static void check_tensors(const st_file *f, const uint8_t *buf, size_t len)
 {
@@ -37,7 +30,8 @@ static void check_tensors(const st_file *f, const uint8_t *buf, size_t len)
                 abort();
         }
         const uint8_t *p = t->data;
-        if (n != t->nbytes || (n && (p < buf || (size_t)(p - buf) > len || t->nbytes > len - (size_t)(p - buf))))
+        if (n != t->nbytes ||
+            (n && (p < buf || (size_t)(p - buf) > len || n > len - (size_t)(p - buf))))
             abort(); /* a tensor the reader handed out is not where or what it says */
     }
     for (size_t i = 0; i < st_meta_count(f); i++) {

@@ -11,7 +11,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-int LLVMFuzzerInitialize(int *argc, char ***argv);
+/* As libFuzzer: a target may define LLVMFuzzerInitialize, and need not. */
+__attribute__((weak)) int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len);
 
 static int run_file(const char *path)
@@ -39,7 +40,8 @@ static int run_file(const char *path)
 
 int main(int argc, char **argv)
 {
-    LLVMFuzzerInitialize(&argc, &argv);
+    if (LLVMFuzzerInitialize)
+        LLVMFuzzerInitialize(&argc, &argv);
     int failed = 0, inputs = 0;
     for (int i = 1; i < argc; i++) {
         struct stat st;
