@@ -44,7 +44,7 @@
 #include "access.h"
 #include "kdaproto.h"
 #include "region.h"
-#include "sched.h"
+#include "scheduler.h"
 #include "stats.h"
 
 typedef struct kd_daemon kd_daemon;

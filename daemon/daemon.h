@@ -40,7 +40,7 @@
 #include "notify.h"
 #include "pool.h"
 #include "quota.h"
-#include "sched.h"
+#include "scheduler.h"
 #include "server.h"
 #include "stats.h"
 

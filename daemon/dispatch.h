@@ -22,7 +22,7 @@
 
 #include "conn.h"
 #include "kdaproto.h"
-#include "sched.h"
+#include "scheduler.h"
 
 typedef struct kd_exec kd_exec;
 

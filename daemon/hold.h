@@ -47,7 +47,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "sched.h"
+#include "scheduler.h"
 
 typedef struct kd_hold_policy {
     bool enabled;                 /* batching.hold_while_busy */
