@@ -89,6 +89,8 @@ static const key_spec schema[] = {
     SIZE("limits.max_inflight_bytes", LIM(max_inflight_bytes), KP_HELLO_MAX_FRAME_BYTES,
          1ull << 40),
     {"limits.max_layers", K_U32, LIM(max_layers), 0, 0, 1u << 16, NULL},
+    {"limits.max_layers_per_uid", K_U32, LIM(max_layers_per_uid), 0, 0, 1u << 16, NULL},
+    {"limits.max_slots_per_uid", K_U32, LIM(max_slots_per_uid), 0, 0, KD_MAX_SLOTS, NULL},
     {"batching.graph_buckets", K_BUCKETS, OFF(graph_buckets), OFF(ngraph_buckets), 1, 1u << 16,
      NULL},
     U32("batching.max_queued_requests", max_queued_requests, 1, 1u << 20),
@@ -637,6 +639,18 @@ static int check(kd_config *c, cerr *e)
         const char *reason = kerr.message[n] ? kerr.message + n + 2 : kerr.message;
         return fail_at(e, mark_of(c, path), path, "%s", reason);
     }
+    /* Per-uid bounds: 0 sizes them from the daemon-wide ones; above those they mean nothing. */
+    kp_limits *l = &c->limits;
+    if (l->max_layers_per_uid > l->max_layers)
+        return fail_at(e, mark_of(c, "limits.max_layers_per_uid"), "limits.max_layers_per_uid",
+                       "%u is above limits.max_layers %u", l->max_layers_per_uid, l->max_layers);
+    if (l->max_slots_per_uid > c->slots)
+        return fail_at(e, mark_of(c, "limits.max_slots_per_uid"), "limits.max_slots_per_uid",
+                       "%u is above the pool's %u slots", l->max_slots_per_uid, c->slots);
+    if (l->max_layers_per_uid == 0)
+        l->max_layers_per_uid = (l->max_layers + 1) / 2;
+    if (l->max_slots_per_uid == 0)
+        l->max_slots_per_uid = c->slots;
     if (c->output_hard_limit < c->limits.max_frame_bytes + KP_FRAME_HEADER_BYTES)
         return fail_at(e, mark_of(c, "clients.output_hard_limit"), "clients.output_hard_limit",
                        "%llu is below limits.max_frame_bytes + 4: one response could never be "

@@ -83,12 +83,13 @@ int kp_hello_choose_version(const kp_hello_params *p, uint32_t *version, kp_erro
 static const char *const limits_fields[] = {
     "max_frame_bytes", "max_inline_bytes", "max_batch_tokens", "max_batch_seqs",
     "max_seqs_per_request", "max_slots_per_client", "max_regions_per_client",
-    "max_inflight_requests", "max_inflight_bytes", "max_layers", NULL};
+    "max_inflight_requests", "max_inflight_bytes", "max_layers", "max_layers_per_uid",
+    "max_slots_per_uid", NULL};
 
 static void encode_limits(kp_writer *w, const kp_limits *l)
 {
     enc_key(w, "limits");
-    enc_map(w, 10);
+    enc_map(w, 12);
     enc_kv_u64(w, "max_frame_bytes", l->max_frame_bytes);
     enc_kv_u64(w, "max_inline_bytes", l->max_inline_bytes);
     enc_kv_u64(w, "max_batch_tokens", l->max_batch_tokens);
@@ -99,6 +100,8 @@ static void encode_limits(kp_writer *w, const kp_limits *l)
     enc_kv_u64(w, "max_inflight_requests", l->max_inflight_requests);
     enc_kv_u64(w, "max_inflight_bytes", l->max_inflight_bytes);
     enc_kv_u64(w, "max_layers", l->max_layers);
+    enc_kv_u64(w, "max_layers_per_uid", l->max_layers_per_uid);
+    enc_kv_u64(w, "max_slots_per_uid", l->max_slots_per_uid);
 }
 
 static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_error *err)
@@ -120,6 +123,14 @@ static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_
         (rc = dec_u64(&f, "max_inflight_bytes", 0, UINT64_MAX, &l->max_inflight_bytes, NULL,
                       err)) ||
         (rc = dec_u32(&f, "max_layers", 0, UINT32_MAX, &l->max_layers, NULL, err)))
+        return rc;
+    /* Per-uid bounds: optional (daemons before them omit them: 0). */
+    bool here;
+    l->max_layers_per_uid = l->max_slots_per_uid = 0;
+    if ((rc = dec_u32(&f, "max_layers_per_uid", 0, UINT32_MAX, &l->max_layers_per_uid, &here,
+                      err)) ||
+        (rc = dec_u32(&f, "max_slots_per_uid", 0, UINT32_MAX, &l->max_slots_per_uid, &here,
+                      err)))
         return rc;
     kp_error why;
     if (kp_limits_check(l, &why))
