@@ -754,8 +754,7 @@ static double prefill_error(dh_client *c, const char *name, const dh_layer *l, c
  * registration of "shared.L" when the first drops its own; another uid then
  * registers "shared.L" with other weights: it gets a layer of its own (and
  * runs on it), root's next prefill still runs on root's weights, neither
- * sees nor drops the other's layers.  limits.max_layers_per_uid bounds each
- * uid apart.
+ * sees nor drops the other's layers.
  */
 static void test_layer_names_per_uid(void **unused)
 {
@@ -769,12 +768,11 @@ static void test_layer_names_per_uid(void **unused)
     dh_layer_make(&l, &r);
     dh_layer_make(&other, &r);
     dh_seq_make(&s, &r, 48);
-    start(&d, "limits:\n  max_layers: 5\n  max_layers_per_uid: 2\n");
+    start(&d, NULL);
     dh_connect(&c1, &d);
     dh_hello(&c1);
     dh_connect(&c2, &d);
     dh_hello(&c2);
-    assert_int_equal(c1.session.limits.max_layers_per_uid, 2);
     dh_register_layer(&c1, "shared.L", &l);
     dh_register_layer(&c2, "shared.L", &l);
     dh_register_layer(&c1, "root.L", &l);
@@ -798,22 +796,43 @@ static void test_layer_names_per_uid(void **unused)
     kp_layer_list_result ll;
     assert_int_equal(kp_layer_list_result_decode(&c2.msg, &ll, NULL), KP_OK);
     assert_int_equal(ll.nlayers, 2); /* shared.L and root.L: not the other uid's */
-
-    /* root holds its 2; the other uid still registers up to its own 2 */
-    kp_layer_register_params lp = {"root.M", kp_ref_inline(l.A_log, sizeof(l.A_log)),
-                                   kp_ref_inline(l.dt_bias, sizeof(l.dt_bias)), l.lower_bound,
-                                   l.scale};
-    id = dh_id(&c1);
-    assert_int_equal(kp_layer_register_params_encode(&c1.w, id, &lp, NULL), KP_OK);
-    dh_send(&c1);
-    dh_expect_error(&c1, id, KP_E_QUOTA_EXCEEDED, "uid 0 holds 2 layers, limits.max_layers_per_uid");
-    int one = 1;
-    if (run_as(&plain, &d, child_layers_up_to_quota, &one, msg, sizeof(msg)) != 0 ||
-        !strstr(msg, "uid 65534 holds 2 layers"))
-        fail_msg("uid 65534 registering: %s", msg);
     dh_seq_free(&s);
     dh_close(&c1);
     dh_close(&c2);
+    dh_stop(&d);
+}
+
+/* limits.max_layers_per_uid counts each uid apart: root holding its bound
+ * leaves the other uid its own. */
+static void test_layers_per_uid(void **unused)
+{
+    dh_daemon d;
+    dh_client c1;
+    dh_layer l;
+    test_rng r;
+    char msg[1024];
+    rng_seed(&r, 32);
+    dh_layer_make(&l, &r);
+    start(&d, "limits:\n  max_layers: 5\n  max_layers_per_uid: 2\n");
+    dh_connect(&c1, &d);
+    dh_hello(&c1);
+    assert_int_equal(c1.session.limits.max_layers_per_uid, 2);
+    dh_register_layer(&c1, "root.L", &l);
+    dh_register_layer(&c1, "root.K", &l);
+    kp_layer_register_params lp = {"root.M", kp_ref_inline(l.A_log, sizeof(l.A_log)),
+                                   kp_ref_inline(l.dt_bias, sizeof(l.dt_bias)), l.lower_bound,
+                                   l.scale};
+    uint32_t id = dh_id(&c1);
+    assert_int_equal(kp_layer_register_params_encode(&c1.w, id, &lp, NULL), KP_OK);
+    dh_send(&c1);
+    dh_expect_error(&c1, id, KP_E_QUOTA_EXCEEDED,
+                    "uid 0 holds 2 layers, limits.max_layers_per_uid");
+    identity plain = {NOBODY, NOBODY, {0}, 0};
+    int two = 2;
+    if (run_as(&plain, &d, child_layers_up_to_quota, &two, msg, sizeof(msg)) != 0 ||
+        !strstr(msg, "uid 65534 holds 2 layers"))
+        fail_msg("uid 65534 registering: %s", msg);
+    dh_close(&c1);
     dh_stop(&d);
 }
 
@@ -832,6 +851,7 @@ int main(void)
         cmocka_unit_test_teardown(test_slots_belong_to_their_uid, dh_teardown),
         cmocka_unit_test_teardown(test_slots_per_uid, dh_teardown),
         cmocka_unit_test_teardown(test_layer_names_per_uid, dh_teardown),
+        cmocka_unit_test_teardown(test_layers_per_uid, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

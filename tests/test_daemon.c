@@ -783,8 +783,7 @@ static uint32_t send_drop(dh_client *c, const char *name)
  * Layers count registrations: two clients (two kdactl runs, two workers of a
  * serving stack) registering the same weights each hold one, and the first
  * one's drop leaves the layer to the second.  Other weights under a live
- * name are refused; a request in flight keeps the weights it admitted; the
- * per-uid layer bound is announced and enforced.
+ * name are refused; a request in flight keeps the weights it admitted.
  */
 static void test_layer_registrations(void **unused)
 {
@@ -794,7 +793,7 @@ static void test_layer_registrations(void **unused)
     dh_seq s;
     test_rng r;
     uint16_t *out = malloc(DH_TOKEN_BYTES(64));
-    start(&d, "limits:\n  max_layers: 5\n  max_layers_per_uid: 3\n");
+    start(&d, NULL);
     rng_seed(&r, 21);
     dh_layer_make(&l, &r);
     dh_layer_make(&other, &r);
@@ -803,8 +802,6 @@ static void test_layer_registrations(void **unused)
     dh_hello(&a);
     dh_connect(&b, &d);
     dh_hello(&b);
-    assert_int_equal(a.session.limits.max_layers_per_uid, 3);
-    assert_int_equal(a.session.limits.max_slots_per_uid, 64); /* 0 in the file: the pool */
 
     assert_true(register_layer(&a, "L", &l));
     assert_false(register_layer(&b, "L", &l));
@@ -837,20 +834,46 @@ static void test_layer_registrations(void **unused)
     /* now free: other weights may take the name */
     assert_true(register_layer(&a, "L", &other));
 
-    /* the per-uid bound (3), below the daemon's (5) */
+    free(out);
+    dh_seq_free(&s);
+    dh_close(&a);
+    dh_close(&b);
+    dh_stop(&d);
+}
+
+/* limits.max_layers_per_uid: announced in hello (as is max_slots_per_uid),
+ * counted over a uid's connections, below the daemon-wide max_layers.
+ * (Other uids: test_access.) */
+static void test_layers_per_uid(void **unused)
+{
+    dh_daemon d;
+    dh_client a, b;
+    dh_layer l;
+    test_rng r;
+    start(&d, "limits:\n  max_layers: 5\n  max_layers_per_uid: 3\n");
+    rng_seed(&r, 23);
+    dh_layer_make(&l, &r);
+    dh_connect(&a, &d);
+    dh_hello(&a);
+    dh_connect(&b, &d);
+    dh_hello(&b);
+    assert_int_equal(a.session.limits.max_layers, 5);
+    assert_int_equal(a.session.limits.max_layers_per_uid, 3);
+    assert_int_equal(a.session.limits.max_slots_per_uid, 64); /* 0 in the file: the pool */
+    assert_true(register_layer(&a, "L0", &l));
     assert_true(register_layer(&a, "L1", &l));
     assert_true(register_layer(&b, "L2", &l));
     kp_layer_register_params lp = {"L3", kp_ref_inline(l.A_log, sizeof(l.A_log)),
                                    kp_ref_inline(l.dt_bias, sizeof(l.dt_bias)), l.lower_bound,
                                    l.scale};
-    id = dh_id(&b);
+    uint32_t id = dh_id(&b);
     assert_int_equal(kp_layer_register_params_encode(&b.w, id, &lp, NULL), KP_OK);
     dh_send(&b);
     dh_expect_error(&b, id, KP_E_QUOTA_EXCEEDED, "holds 3 layers, limits.max_layers_per_uid");
     assert_false(register_layer(&b, "L2", &l)); /* another registration is not another layer */
-
-    free(out);
-    dh_seq_free(&s);
+    /* a name given back is room again */
+    dh_expect_result(&a, send_drop(&a, "L0"));
+    assert_true(register_layer(&b, "L3", &l));
     dh_close(&a);
     dh_close(&b);
     dh_stop(&d);
@@ -1587,6 +1610,7 @@ int main(void)
         cmocka_unit_test_teardown(test_fork_snapshot_restore, dh_teardown),
         cmocka_unit_test_teardown(test_handles_positions_and_quotas, dh_teardown),
         cmocka_unit_test_teardown(test_layer_registrations, dh_teardown),
+        cmocka_unit_test_teardown(test_layers_per_uid, dh_teardown),
         cmocka_unit_test_teardown(test_position_limit, dh_teardown),
         cmocka_unit_test_teardown(test_disconnect_mid_request, dh_teardown),
         cmocka_unit_test_teardown(test_malformed_frames, dh_teardown),
