@@ -42,8 +42,15 @@ typedef struct count_table {
     uint32_t *n, *cap;
 } count_table;
 
-static count_table owners_of(kd_pool *p) { return (count_table){&p->owners, &p->nowners, &p->owners_cap}; }
-static count_table uids_of(kd_pool *p) { return (count_table){&p->uids, &p->nuids, &p->uids_cap}; }
+static count_table owners_of(kd_pool *p)
+{
+    return (count_table){&p->owners, &p->nowners, &p->owners_cap};
+}
+
+static count_table uids_of(kd_pool *p)
+{
+    return (count_table){&p->uids, &p->nuids, &p->uids_cap};
+}
 
 static uint32_t count_of(const kd_owner_count *v, uint32_t n, uint64_t key)
 {
