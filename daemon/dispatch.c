@@ -228,6 +228,11 @@ static void do_stats(kd_req *r)
     uint64_t now = uv_hrtime();
     kd_daemon_gauges(d, &g);
     kd_stats_result(&d->stats, &g, now, &v, &res);
+    uid_t uid = r->conn->peer.uid;
+    res.has_uid = true;
+    res.uid = uid;
+    res.uid_layers = kd_layers_of_uid(&d->layers, uid);
+    res.uid_slots = kd_pool_uid_holds(&d->pool, uid);
     char *text = NULL;
     if (flags & KP_STATS_PROMETHEUS) {
         /* The same rendering as the metrics file, from the same counters. */

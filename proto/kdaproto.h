@@ -577,6 +577,10 @@ typedef struct kp_stats_result {
     uint32_t latency_nbounds;          /* 0..KP_HIST_MAX_BUCKETS */
     uint32_t slots_total, slots_used, slots_lost;
     uint32_t layers;             /* layers registered */
+    /* "uid": what the asking client's uid holds against its per-uid bounds;
+       absent from older daemons */
+    bool has_uid;
+    uint32_t uid, uid_layers, uid_slots;
     uint32_t regions;            /* regions registered, all connections */
     uint32_t rings;              /* connections whose frames use a frame ring now (0 from
                                     daemons before the field) */

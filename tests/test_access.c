@@ -725,6 +725,9 @@ static void test_slots_per_uid(void **unused)
     assert_int_equal(kp_slot_info_result_decode(&c2.msg, &ir, NULL), KP_OK);
     assert_int_equal(ir.nslots, 3);
     assert_int_equal(ir.quota_left, 0);
+    kp_stats_result st;
+    dh_stats(&c2, &st);
+    assert_int_equal(st.uid_slots, 3);
     dh_close(&c2);
     dh_stop(&p);
 }

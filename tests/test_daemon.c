@@ -871,6 +871,13 @@ static void test_layers_per_uid(void **unused)
     dh_send(&b);
     dh_expect_error(&b, id, KP_E_QUOTA_EXCEEDED, "holds 3 layers, limits.max_layers_per_uid");
     assert_false(register_layer(&b, "L2", &l)); /* another registration is not another layer */
+    kp_stats_result st;
+    dh_stats(&a, &st); /* what the uid holds: in stats */
+    assert_true(st.has_uid);
+    assert_int_equal(st.uid, getuid());
+    assert_int_equal(st.uid_layers, 3);
+    assert_int_equal(st.uid_slots, 0);
+    assert_int_equal(st.layers, 3);
     /* a name given back is room again */
     dh_expect_result(&a, send_drop(&a, "L0"));
     assert_true(register_layer(&b, "L3", &l));
