@@ -161,7 +161,7 @@ int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const
                 return kp_fail(err, KP_E_LAYER_EXISTS, "name: \"%s\" is a layer of the "
                                "daemon's configuration, with other weights", name);
             return kp_fail(err, KP_E_LAYER_EXISTS, "name: uid %u has a layer \"%s\" with "
-                           "other weights (%llu registrations); drop them all first, or use "
+                           "other weights (registrations: %llu); drop them all first, or use "
                            "another name", (unsigned)uid, name, (unsigned long long)old->regs);
         }
         if (!config)

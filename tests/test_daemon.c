@@ -818,7 +818,7 @@ static void test_layer_registrations(void **unused)
     id = dh_id(&a);
     assert_int_equal(kp_layer_register_params_encode(&a.w, id, &op, NULL), KP_OK);
     dh_send(&a);
-    dh_expect_error(&a, id, KP_E_LAYER_EXISTS, "with other weights (1 registrations)");
+    dh_expect_error(&a, id, KP_E_LAYER_EXISTS, "with other weights (registrations: 1)");
 
     /* a prefill and the last drop pipelined: the prefill keeps its weights */
     uint64_t fresh = dh_alloc(&b);
