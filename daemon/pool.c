@@ -110,13 +110,15 @@ int kd_pool_alloc(kd_pool *p, uint64_t owner, uint32_t uid, const kp_limits *lim
         return kp_fail(err, KP_E_QUOTA_EXCEEDED, "count: %u more slots would exceed "
                        "max_slots_per_client %u (%u held)", count, lim->max_slots_per_client,
                        held);
+    /* A full pool first: it is retryable, and with the default per-uid bound
+     * (the whole pool) the uid's bound is only ever passed when it is full. */
+    if (count > p->nfree)
+        return kp_fail(err, KP_E_POOL_FULL, "count: %u slots asked, %u of %u free", count,
+                       p->nfree, p->nslots);
     if (lim->max_slots_per_uid && (uint64_t)uid_held + count > lim->max_slots_per_uid)
         return kp_fail(err, KP_E_QUOTA_EXCEEDED, "count: %u more slots would exceed "
                        "max_slots_per_uid %u (uid %u holds %u)", count, lim->max_slots_per_uid,
                        (unsigned)uid, uid_held);
-    if (count > p->nfree)
-        return kp_fail(err, KP_E_POOL_FULL, "count: %u slots asked, %u of %u free", count,
-                       p->nfree, p->nslots);
     if (count_reserve(owners_of(p)) != KP_OK || count_reserve(uids_of(p)) != KP_OK)
         return kp_fail(err, KP_E_NO_MEMORY, "no memory for the slot owner table");
     count_add(owners_of(p), owner, count);

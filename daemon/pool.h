@@ -84,9 +84,9 @@ uint32_t kd_pool_uid_holds(const kd_pool *p, uint32_t uid);
 
 /*
  * Allocates `count` slots for owner, a client of uid, all or nothing:
- * KP_E_QUOTA_EXCEEDED when owner would hold more than lim->max_slots_per_client
- * or uid more than lim->max_slots_per_uid (0: no per-uid bound), KP_E_POOL_FULL
- * when too few are free.  Each slot starts READY with a (lazy) zero state at
+ * KP_E_QUOTA_EXCEEDED when owner would hold more than lim->max_slots_per_client,
+ * else KP_E_POOL_FULL when too few are free, else KP_E_QUOTA_EXCEEDED when uid
+ * would hold more than lim->max_slots_per_uid (0: no per-uid bound).  Each slot starts READY with a (lazy) zero state at
  * position 0, or EMPTY.
  */
 int kd_pool_alloc(kd_pool *p, uint64_t owner, uint32_t uid, const kp_limits *lim,

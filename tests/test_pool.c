@@ -136,6 +136,17 @@ static void test_uid_quota(void **unused)
     assert_int_equal(kd_pool_uid_holds(&p, UID_X), 4);
     assert_int_equal(kd_pool_quota_left(&p, 13, UID_X, &lim), 1);
     assert_int_equal(kd_pool_alloc(&p, 13, UID_X, &lim, 1, true, h, &e), KP_OK);
+    /* a full pool is POOL_FULL (retryable) before the uid's bound */
+    kp_limits whole = {.max_slots_per_client = 16, .max_slots_per_uid = 12};
+    uint64_t last[2];
+    assert_int_equal(kd_pool_alloc(&p, 16, 1002, &whole, 2, true, last, &e), KP_OK);
+    assert_int_equal(p.nfree, 0);
+    expect_code(kd_pool_alloc(&p, 16, 1002, &whole, 11, true, h, &e), &e, KP_E_POOL_FULL,
+                "11 slots asked, 0 of 12 free");
+    for (int i = 0; i < 2; i++) {
+        kd_pool_retire(&p, kp_slot_index(last[i]));
+        kd_pool_release(&p, kp_slot_index(last[i]));
+    }
     /* 0: no per-uid bound */
     lim.max_slots_per_uid = 0;
     assert_int_equal(kd_pool_alloc(&p, 15, UID_X, &lim, 2, true, h, &e), KP_OK);
