@@ -1,0 +1,307 @@
+/*
+ * kda_decode_sm90.cu - the decode-step kernel (kda.h, kda_step) and its C API
+ * (kda_cuda_step, kda_cuda_step_check in kda_cuda.h).
+ *
+ * A step is many sequences of 1..16 tokens: its cost is reading and writing
+ * each (sequence, head)'s 128 x 128 state, so the kernel is built to move
+ * those bytes at the copy rate and do the recurrent form of KDA.md on them
+ * while they sit in registers.
+ *
+ * One CTA of 8 warps per (sequence, head), blockIdx.x = sequence * H + head
+ * (neighbouring CTAs read neighbouring state).  Warp w owns the state rows
+ * v = 16w .. 16w + 15; half-warp `half` of it owns the rows 16w + 2i + half
+ * (i = 0..7), and each of its 16 lanes holds 8 keys of each of those rows:
+ * 64 state values per thread, fp32 whatever the pool's dtype.  Keys per lane:
+ *   fp32 pool: k = 4l..4l+3 and 64+4l..64+4l+3 (two 16-byte loads per row)
+ *   bf16 pool: k = 8l..8l+7                    (one 16-byte load per row)
+ * so each warp-wide load or store moves whole 256-byte pieces of rows.
+ *
+ * Per CTA: the step's q, k, g, v rows of this head for all of the
+ * sequence's tokens go to shared memory (cp.async) while the state loads are
+ * in flight; then per token
+ *   S = S diag(a);  sk = S k^  (a sum over the half-warp, reduced with a
+ *   transposing butterfly: 8 shuffles give lane l the sum of row i = l / 2);
+ *   u = b (v - sk), broadcast back (8 shuffles);  S += u k^T;  o = scale S q^
+ * (the same butterfly), stored as bf16 pairs; with step->states, the state
+ * after the token is stored there.  The slot is written once, after the last
+ * token.  Every input a CTA reads is in device memory and read when it runs,
+ * so a launch captured in a CUDA Graph replays with new steps.
+ */
+#include "kda_cuda.h"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace kda_step_kernel {
+
+constexpr int D = KDA_HEAD_DIM;
+constexpr int WARPS = 8, THREADS = 32 * WARPS;
+constexpr int MAXT = KDA_STEP_MAX_TOKENS;
+constexpr unsigned FULL = 0xffffffffu;
+
+/* A token's input rows (bf16 [128] each = 16 pieces of 16 bytes). */
+struct __align__(16) TokenRows {
+    uint4 q[16], k[16], g[16], v[16];
+};
+
+struct __align__(16) Smem {
+    TokenRows tok[MAXT];
+    float dt_bias[D];   /* this head's */
+    float b[MAXT];      /* sigmoid(beta) */
+};
+
+__device__ __forceinline__ void cp_async_16(void *smem, const void *gmem)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+                 "l"(gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all()
+{
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
+
+/* Round to nearest even (finite values; NaN stays NaN). */
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
+{
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* 8 bf16 of a 128-element row at this lane's keys (see the layout above). */
+template <bool BF16>
+__device__ __forceinline__ void row8(const uint4 *row, int l, float x[8])
+{
+    uint32_t w[4];
+    if (BF16) {
+        const uint4 p = row[l];
+        w[0] = p.x, w[1] = p.y, w[2] = p.z, w[3] = p.w;
+    } else {
+        const uint2 a = reinterpret_cast<const uint2 *>(row)[l], b = reinterpret_cast<const uint2 *>(row)[16 + l];
+        w[0] = a.x, w[1] = a.y, w[2] = b.x, w[3] = b.y;
+    }
+    for (int j = 0; j < 4; j++) {
+        x[2 * j] = bf16_lo(w[j]);
+        x[2 * j + 1] = bf16_hi(w[j]);
+    }
+}
+
+/* Sum over the 16 lanes of a half-warp. */
+__device__ __forceinline__ float half_sum(float x)
+{
+    for (int m = 8; m > 0; m >>= 1)
+        x += __shfl_xor_sync(FULL, x, m);
+    return x;
+}
+
+/*
+ * Transposing butterfly: p[i] are this lane's partial sums of rows i = 0..7;
+ * returns the half-warp's full sum of row l / 2 (l = lane within the half).
+ */
+__device__ __forceinline__ float rows_sum(const float p[8], int l)
+{
+    const bool b3 = l & 8, b2 = l & 4, b1 = l & 2;
+    float p4[4], p2[2];
+    for (int j = 0; j < 4; j++)
+        p4[j] = (b3 ? p[j + 4] : p[j]) + __shfl_xor_sync(FULL, b3 ? p[j] : p[j + 4], 8);
+    for (int j = 0; j < 2; j++)
+        p2[j] = (b2 ? p4[j + 2] : p4[j]) + __shfl_xor_sync(FULL, b2 ? p4[j] : p4[j + 2], 4);
+    float s = (b1 ? p2[1] : p2[0]) + __shfl_xor_sync(FULL, b1 ? p2[0] : p2[1], 2);
+    return s + __shfl_xor_sync(FULL, s, 1);
+}
+
+/* Offsets (in elements) of this lane's two 16-byte pieces (fp32) or one (bf16) within a state row. */
+template <bool BF16>
+__device__ __forceinline__ int key_offset(int l, int piece)
+{
+    return BF16 ? 8 * l : 4 * l + 64 * piece;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void load_state(const void *src, int row0, int l, float s[8][8])
+{
+    for (int i = 0; i < 8; i++) {
+        const int r = row0 + 2 * i;
+        if (BF16) {
+            const uint4 p = __ldcs(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(src) + r * D +
+                                                                   key_offset<true>(l, 0)));
+            const uint32_t w[4] = {p.x, p.y, p.z, p.w};
+            for (int j = 0; j < 4; j++) {
+                s[i][2 * j] = bf16_lo(w[j]);
+                s[i][2 * j + 1] = bf16_hi(w[j]);
+            }
+        } else {
+            for (int piece = 0; piece < 2; piece++) {
+                const float4 p = __ldcs(reinterpret_cast<const float4 *>(static_cast<const float *>(src) + r * D +
+                                                                         key_offset<false>(l, piece)));
+                s[i][4 * piece] = p.x, s[i][4 * piece + 1] = p.y, s[i][4 * piece + 2] = p.z, s[i][4 * piece + 3] = p.w;
+            }
+        }
+    }
+}
+
+template <bool BF16>
+__device__ __forceinline__ void store_state(void *dst, int row0, int l, const float s[8][8])
+{
+    for (int i = 0; i < 8; i++) {
+        const int r = row0 + 2 * i;
+        if (BF16) {
+            const uint4 p = make_uint4(pack_bf16(s[i][0], s[i][1]), pack_bf16(s[i][2], s[i][3]),
+                                       pack_bf16(s[i][4], s[i][5]), pack_bf16(s[i][6], s[i][7]));
+            __stcs(reinterpret_cast<uint4 *>(static_cast<uint16_t *>(dst) + r * D + key_offset<true>(l, 0)), p);
+        } else {
+            for (int piece = 0; piece < 2; piece++)
+                __stcs(reinterpret_cast<float4 *>(static_cast<float *>(dst) + r * D + key_offset<false>(l, piece)),
+                       make_float4(s[i][4 * piece], s[i][4 * piece + 1], s[i][4 * piece + 2], s[i][4 * piece + 3]));
+        }
+    }
+}
+
+template <bool BF16>
+__global__ void __launch_bounds__(THREADS, 2) step_kernel(const kda_step *__restrict__ step, void *__restrict__ pool,
+                                                          int32_t heads)
+{
+    __shared__ Smem sm;
+    const int seq = blockIdx.x / heads, head = blockIdx.x % heads;
+    if (seq >= step->nseqs)
+        return;
+    const kda_step_seq sq = step->seqs[seq];
+    const int len = sq.len;
+    if (len < 1 || len > MAXT)   /* kda_cuda_step_check refuses these; never index past the buffers */
+        return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = lane >> 4, l = lane & 15;
+    const int row0 = 16 * warp + half;
+    const size_t head_elems = size_t(D) * D, esize = BF16 ? 2 : 4;
+    char *slot = static_cast<char *>(pool) + (size_t(sq.slot) * heads + head) * head_elems * esize;
+
+    /* the token rows of this head, 64 pieces of 16 bytes per token */
+    for (int c = threadIdx.x; c < 64 * len; c += THREADS) {
+        const int t = c >> 6, which = (c >> 4) & 3, piece = c & 15;
+        const uint16_t *src = which == 0 ? step->q : which == 1 ? step->k : which == 2 ? step->g : step->v;
+        uint4 *dst = which == 0 ? sm.tok[t].q : which == 1 ? sm.tok[t].k : which == 2 ? sm.tok[t].g : sm.tok[t].v;
+        cp_async_16(dst + piece, src + (size_t(sq.start + t) * heads + head) * D + 8 * piece);
+    }
+    if (threadIdx.x < len) {
+        const float beta = __uint_as_float(uint32_t(step->beta[size_t(sq.start + threadIdx.x) * heads + head]) << 16);
+        sm.b[threadIdx.x] = 1.0f / (1.0f + __expf(-beta));
+    }
+
+    float s[8][8];
+    if (sq.flags & KDA_SEQ_ZERO_STATE) {
+        for (int i = 0; i < 8; i++)
+            for (int j = 0; j < 8; j++)
+                s[i][j] = 0.0f;
+    } else {
+        load_state<BF16>(slot, row0, l, s);
+    }
+
+    const kda_layer *layer = step->layer;
+    const float expA = __expf(layer->A_log[head]), lb = layer->lower_bound, scale = layer->scale;
+    if (threadIdx.x < D)
+        sm.dt_bias[threadIdx.x] = layer->dt_bias[head * D + threadIdx.x];
+    cp_async_wait_all();
+    __syncthreads();
+
+    for (int t = 0; t < len; t++) {
+        const TokenRows &in = sm.tok[t];
+        const size_t tok_head = size_t(sq.start + t) * heads + head;
+        float kk[8], a[8];
+        row8<BF16>(in.k, l, kk);
+        float ss = 0.0f;
+        for (int j = 0; j < 8; j++)
+            ss += kk[j] * kk[j];
+        const float inv_k = 1.0f / sqrtf(half_sum(ss) + KDA_NORM_EPS);
+        row8<BF16>(in.g, l, a);
+        for (int j = 0; j < 8; j++) {
+            kk[j] *= inv_k;
+            const float dtb = sm.dt_bias[key_offset<BF16>(l, j >> 2) + (j & 3) + (BF16 ? 4 * (j >> 2) : 0)];
+            a[j] = __expf(lb / (1.0f + __expf(-expA * (a[j] + dtb))));
+        }
+
+        /* S = S diag(a); sk = S k^ */
+        float p[8];
+        for (int i = 0; i < 8; i++) {
+            p[i] = 0.0f;
+            for (int j = 0; j < 8; j++) {
+                s[i][j] *= a[j];
+                p[i] = fmaf(s[i][j], kk[j], p[i]);
+            }
+        }
+        const float sk = rows_sum(p, l);
+        const int own = row0 + 2 * (l >> 1);   /* the row whose sums this lane holds */
+        const float vv = __uint_as_float(uint32_t(reinterpret_cast<const uint16_t *>(in.v)[own]) << 16);
+        const float u = sm.b[t] * (vv - sk);
+
+        float qq[8];
+        row8<BF16>(in.q, l, qq);
+        ss = 0.0f;
+        for (int j = 0; j < 8; j++)
+            ss += qq[j] * qq[j];
+        const float fq = scale / sqrtf(half_sum(ss) + KDA_NORM_EPS);
+        for (int j = 0; j < 8; j++)
+            qq[j] *= fq;
+
+        /* S += u k^T; o = scale S q^ */
+        for (int i = 0; i < 8; i++) {
+            const float ui = __shfl_sync(FULL, u, (lane & 16) | (2 * i));
+            p[i] = 0.0f;
+            for (int j = 0; j < 8; j++) {
+                s[i][j] = fmaf(ui, kk[j], s[i][j]);
+                p[i] = fmaf(s[i][j], qq[j], p[i]);
+            }
+        }
+        const float o = rows_sum(p, l), o_next = __shfl_down_sync(FULL, o, 16);
+        if (half == 0 && !(l & 1))   /* rows 16w + l and 16w + l + 1 */
+            *reinterpret_cast<uint32_t *>(step->out + tok_head * D + 16 * warp + l) = pack_bf16(o, o_next);
+        if (step->states)
+            store_state<BF16>(static_cast<char *>(step->states) + tok_head * head_elems * esize, row0, l, s);
+    }
+    store_state<BF16>(slot, row0, l, s);
+}
+
+}  // namespace kda_step_kernel
+
+extern "C" int kda_cuda_step_check(const kda_pool *pool, const kda_step *step, kda_error *err)
+{
+    int rc = kda_step_check(pool, step, err);
+    if (rc != KDA_OK || step->nseqs == 0)
+        return rc;
+    const uintptr_t any = uintptr_t(step->q) | uintptr_t(step->k) | uintptr_t(step->v) | uintptr_t(step->g) |
+                          uintptr_t(step->out) | uintptr_t(step->states);
+    if (any & 15)
+        return kda_fail(err, KDA_EINVAL, "step: q, k, v, g, out and states must be 16-byte aligned");
+    if (int64_t(step->nseqs) * pool->heads > INT32_MAX)
+        return kda_fail(err, KDA_EINVAL, "step: %d sequences x %d heads exceed the kernel's grid", step->nseqs,
+                        pool->heads);
+    return KDA_OK;
+}
+
+extern "C" int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_step *step_dev, int32_t max_seqs,
+                             void *stream, kda_error *err)
+{
+    if (!cuda || !pool || !pool->state || !step_dev || max_seqs < 0)
+        return kda_fail(err, KDA_EINVAL, "kda_cuda_step: missing pool, step or count");
+    if (pool->heads < 1 || pool->heads > KDA_MAX_HEADS)
+        return kda_fail(err, KDA_EINVAL, "pool heads %d is outside [1, %d]", pool->heads, KDA_MAX_HEADS);
+    if (pool->dtype != KDA_DTYPE_BF16 && pool->dtype != KDA_DTYPE_F32)
+        return kda_fail(err, KDA_EINVAL, "pool dtype %d is neither bf16 nor fp32", int(pool->dtype));
+    const int64_t blocks = int64_t(max_seqs) * pool->heads;
+    if (blocks > INT32_MAX)
+        return kda_fail(err, KDA_EINVAL, "kda_cuda_step: %d sequences x %d heads exceed the grid", max_seqs,
+                        pool->heads);
+    if (blocks == 0)
+        return KDA_OK;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (pool->dtype == KDA_DTYPE_BF16)
+        kda_step_kernel::step_kernel<true><<<unsigned(blocks), kda_step_kernel::THREADS, 0, s>>>(step_dev, pool->state,
+                                                                                                  pool->heads);
+    else
+        kda_step_kernel::step_kernel<false><<<unsigned(blocks), kda_step_kernel::THREADS, 0, s>>>(step_dev, pool->state,
+                                                                                                   pool->heads);
+    const cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? KDA_OK : kda_fail(err, KDA_EDEVICE, "launching the step kernel: %s", cudaGetErrorString(e));
+}
