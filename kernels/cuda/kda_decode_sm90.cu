@@ -7,8 +7,9 @@
  * those bytes at the copy rate and do the recurrent form of KDA.md on them
  * while they sit in registers.
  *
- * One CTA of 8 warps per (sequence, head), blockIdx.x = sequence * H + head
- * (neighbouring CTAs read neighbouring state).  Warp w owns the state rows
+ * One CTA of 8 warps per (sequence, head) (or two of 4 warps: WARPS),
+ * blockIdx.x = (sequence * H + head) * (8 / WARPS) + part, so neighbouring
+ * CTAs read neighbouring state.  Warp w (of the 8) owns the state rows
  * v = 16w .. 16w + 15; half-warp `half` of it owns the rows 16w + 2i + half
  * (i = 0..7), and each of its 16 lanes holds 8 keys of each of those rows:
  * 64 state values per thread, fp32 whatever the pool's dtype.  Keys per lane:
@@ -27,15 +28,18 @@
  * token.  Every input a CTA reads is in device memory and read when it runs,
  * so a launch captured in a CUDA Graph replays with new steps.
  */
+#include "kda_decode_sm90.h"
+
+#include <stdint.h>
+
 #include "kda_cuda.h"
 
-#include <cuda_runtime.h>
-#include <stdint.h>
+/* Warps per CTA kda_cuda_step launches with (bench_kernel --step-warps compares the other) */
+static constexpr int STEP_WARPS = 8;
 
 namespace kda_step_kernel {
 
 constexpr int D = KDA_HEAD_DIM;
-constexpr int WARPS = 8, THREADS = 32 * WARPS;
 constexpr int MAXT = KDA_STEP_MAX_TOKENS;
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -161,19 +165,21 @@ __device__ __forceinline__ void store_state(void *dst, int row0, int l, const fl
     }
 }
 
-template <bool BF16>
-__global__ void __launch_bounds__(THREADS, 2) step_kernel(const kda_step *__restrict__ step, void *__restrict__ pool,
-                                                          int32_t heads)
+/* WARPS (4 or 8) warps per CTA: 8 / WARPS CTAs per (sequence, head), each holding 16 * WARPS state rows. */
+template <bool BF16, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) step_kernel(const kda_step *__restrict__ step,
+                                                                     void *__restrict__ pool, int32_t heads)
 {
+    constexpr int THREADS = 32 * WARPS, PARTS = 8 / WARPS;
     __shared__ Smem sm;
-    const int seq = blockIdx.x / heads, head = blockIdx.x % heads;
+    const int part = blockIdx.x % PARTS, seq = blockIdx.x / PARTS / heads, head = blockIdx.x / PARTS % heads;
     if (seq >= step->nseqs)
         return;
     const kda_step_seq sq = step->seqs[seq];
     const int len = sq.len;
     if (len < 1 || len > MAXT)   /* kda_cuda_step_check refuses these; never index past the buffers */
         return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = lane >> 4, l = lane & 15;
+    const int lane = threadIdx.x & 31, warp = part * WARPS + (threadIdx.x >> 5), half = lane >> 4, l = lane & 15;
     const int row0 = 16 * warp + half;
     const size_t head_elems = size_t(D) * D, esize = BF16 ? 2 : 4;
     char *slot = static_cast<char *>(pool) + (size_t(sq.slot) * heads + head) * head_elems * esize;
@@ -274,10 +280,27 @@ extern "C" int kda_cuda_step_check(const kda_pool *pool, const kda_step *step, k
                           uintptr_t(step->out) | uintptr_t(step->states);
     if (any & 15)
         return kda_fail(err, KDA_EINVAL, "step: q, k, v, g, out and states must be 16-byte aligned");
-    if (int64_t(step->nseqs) * pool->heads > INT32_MAX)
+    if (int64_t(step->nseqs) * pool->heads * 2 > INT32_MAX)
         return kda_fail(err, KDA_EINVAL, "step: %d sequences x %d heads exceed the kernel's grid", step->nseqs,
                         pool->heads);
     return KDA_OK;
+}
+
+cudaError_t kda_step_launch(const kda_pool *pool, const kda_step *step_dev, int32_t max_seqs, int warps,
+                            cudaStream_t stream)
+{
+    using namespace kda_step_kernel;
+    const unsigned blocks = unsigned(int64_t(max_seqs) * pool->heads * (8 / warps));
+    const bool bf16 = pool->dtype == KDA_DTYPE_BF16;
+    if (warps == 4 && bf16)
+        step_kernel<true, 4><<<blocks, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
+    else if (warps == 4)
+        step_kernel<false, 4><<<blocks, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
+    else if (bf16)
+        step_kernel<true, 8><<<blocks, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
+    else
+        step_kernel<false, 8><<<blocks, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
+    return cudaGetLastError();
 }
 
 extern "C" int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_step *step_dev, int32_t max_seqs,
@@ -289,19 +312,11 @@ extern "C" int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_ste
         return kda_fail(err, KDA_EINVAL, "pool heads %d is outside [1, %d]", pool->heads, KDA_MAX_HEADS);
     if (pool->dtype != KDA_DTYPE_BF16 && pool->dtype != KDA_DTYPE_F32)
         return kda_fail(err, KDA_EINVAL, "pool dtype %d is neither bf16 nor fp32", int(pool->dtype));
-    const int64_t blocks = int64_t(max_seqs) * pool->heads;
-    if (blocks > INT32_MAX)
+    if (int64_t(max_seqs) * pool->heads * 2 > INT32_MAX)
         return kda_fail(err, KDA_EINVAL, "kda_cuda_step: %d sequences x %d heads exceed the grid", max_seqs,
                         pool->heads);
-    if (blocks == 0)
+    if (max_seqs == 0)
         return KDA_OK;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (pool->dtype == KDA_DTYPE_BF16)
-        kda_step_kernel::step_kernel<true><<<unsigned(blocks), kda_step_kernel::THREADS, 0, s>>>(step_dev, pool->state,
-                                                                                                  pool->heads);
-    else
-        kda_step_kernel::step_kernel<false><<<unsigned(blocks), kda_step_kernel::THREADS, 0, s>>>(step_dev, pool->state,
-                                                                                                   pool->heads);
-    const cudaError_t e = cudaGetLastError();
+    const cudaError_t e = kda_step_launch(pool, step_dev, max_seqs, STEP_WARPS, static_cast<cudaStream_t>(stream));
     return e == cudaSuccess ? KDA_OK : kda_fail(err, KDA_EDEVICE, "launching the step kernel: %s", cudaGetErrorString(e));
 }
