@@ -35,7 +35,7 @@
 #include "kda_cuda.h"
 
 /* Warps per CTA kda_cuda_step launches with (bench_kernel --step-warps compares the other) */
-static constexpr int STEP_WARPS = 8;
+static constexpr int STEP_WARPS = 4;
 
 namespace kda_step_kernel {
 
@@ -48,10 +48,17 @@ struct __align__(16) TokenRows {
     uint4 q[16], k[16], g[16], v[16];
 };
 
+/* A token's prepared operands, fp32 [128] each: k^, scale q^, the decay a. */
+struct __align__(16) TokenOps {
+    float k[D], q[D], a[D];
+};
+
 struct __align__(16) Smem {
     TokenRows tok[MAXT];
-    float dt_bias[D];   /* this head's */
-    float b[MAXT];      /* sigmoid(beta) */
+    TokenOps ops[MAXT];
+    float u[2][8][16];   /* per token parity and warp: u of the warp's 16 rows */
+    float dt_bias[D];    /* this head's */
+    float b[MAXT];       /* sigmoid(beta) */
 };
 
 __device__ __forceinline__ void cp_async_16(void *smem, const void *gmem)
@@ -67,7 +74,6 @@ __device__ __forceinline__ void cp_async_wait_all()
 
 __device__ __forceinline__ float bf16_lo(uint32_t x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
-
 /* Round to nearest even (finite values; NaN stays NaN). */
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
 {
@@ -165,10 +171,39 @@ __device__ __forceinline__ void store_state(void *dst, int row0, int l, const fl
     }
 }
 
+/* This lane's 8 operands of a prepared [128] fp32 row (the keys of the layout above). */
+template <bool BF16>
+__device__ __forceinline__ void ops8(const float *row, int l, float x[8])
+{
+    const float4 a = *reinterpret_cast<const float4 *>(row + key_offset<BF16>(l, 0));
+    const float4 b = *reinterpret_cast<const float4 *>(row + (BF16 ? 8 * l + 4 : key_offset<false>(l, 1)));
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+/*
+ * u of the lane's own row (l / 2 of its half) to the warp through shared memory (one store; each
+ * lane then loads the u of its rows, one load a row) rather than eight shuffles.  `buf` alternates
+ * per token, so the loads of one token and the stores of the next never meet.
+ */
+__device__ __forceinline__ void put_u(float (*buf)[16], int warp_local, int half, int l, float u)
+{
+    if (!(l & 1))
+        buf[warp_local][2 * (l >> 1) + half] = u;
+    __syncwarp();
+}
+
+/* o of the lane's own row: bf16 pairs of rows (16w + l, 16w + l + 1) from the even lanes of half 0. */
+__device__ __forceinline__ void store_out(uint16_t *out_row, int warp, int half, int l, float o)
+{
+    const float o_next = __shfl_down_sync(FULL, o, 16);
+    if (half == 0 && !(l & 1))
+        *reinterpret_cast<uint32_t *>(out_row + 16 * warp + l) = pack_bf16(o, o_next);
+}
+
 /* WARPS (4 or 8) warps per CTA: 8 / WARPS CTAs per (sequence, head), each holding 16 * WARPS state rows. */
 template <bool BF16, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) step_kernel(const kda_step *__restrict__ step,
-                                                                     void *__restrict__ pool, int32_t heads)
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)
+    step_kernel(const kda_step *__restrict__ step, void *__restrict__ pool, int32_t heads)
 {
     constexpr int THREADS = 32 * WARPS, PARTS = 8 / WARPS;
     __shared__ Smem sm;
@@ -179,7 +214,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) step_kernel(const kda_
     const int len = sq.len;
     if (len < 1 || len > MAXT)   /* kda_cuda_step_check refuses these; never index past the buffers */
         return;
-    const int lane = threadIdx.x & 31, warp = part * WARPS + (threadIdx.x >> 5), half = lane >> 4, l = lane & 15;
+    const int lane = threadIdx.x & 31, wl = threadIdx.x >> 5, warp = part * WARPS + wl, half = lane >> 4, l = lane & 15;
     const int row0 = 16 * warp + half;
     const size_t head_elems = size_t(D) * D, esize = BF16 ? 2 : 4;
     char *slot = static_cast<char *>(pool) + (size_t(sq.slot) * heads + head) * head_elems * esize;
@@ -196,6 +231,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) step_kernel(const kda_
         sm.b[threadIdx.x] = 1.0f / (1.0f + __expf(-beta));
     }
 
+    /* the state: issued now, used after the operands are prepared */
     float s[8][8];
     if (sq.flags & KDA_SEQ_ZERO_STATE) {
         for (int i = 0; i < 8; i++)
@@ -212,24 +248,43 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) step_kernel(const kda_
     cp_async_wait_all();
     __syncthreads();
 
-    for (int t = 0; t < len; t++) {
-        const TokenRows &in = sm.tok[t];
-        const size_t tok_head = size_t(sq.start + t) * heads + head;
-        float kk[8], a[8];
-        row8<BF16>(in.k, l, kk);
-        float ss = 0.0f;
-        for (int j = 0; j < 8; j++)
-            ss += kk[j] * kk[j];
-        const float inv_k = 1.0f / sqrtf(half_sum(ss) + KDA_NORM_EPS);
-        row8<BF16>(in.g, l, a);
-        for (int j = 0; j < 8; j++) {
-            kk[j] *= inv_k;
-            const float dtb = sm.dt_bias[key_offset<BF16>(l, j >> 2) + (j & 3) + (BF16 ? 4 * (j >> 2) : 0)];
-            a[j] = __expf(lb / (1.0f + __expf(-expA * (a[j] + dtb))));
+    /* per token, once per CTA: k^, scale q^, a (warp wl takes tokens wl, wl + WARPS, ...; 4 keys a lane) */
+    for (int t = wl; t < len; t += WARPS) {
+        const uint2 kr = reinterpret_cast<const uint2 *>(sm.tok[t].k)[lane];
+        const uint2 qr = reinterpret_cast<const uint2 *>(sm.tok[t].q)[lane];
+        const uint2 gr = reinterpret_cast<const uint2 *>(sm.tok[t].g)[lane];
+        const float k4[4] = {bf16_lo(kr.x), bf16_hi(kr.x), bf16_lo(kr.y), bf16_hi(kr.y)};
+        const float q4[4] = {bf16_lo(qr.x), bf16_hi(qr.x), bf16_lo(qr.y), bf16_hi(qr.y)};
+        const float g4[4] = {bf16_lo(gr.x), bf16_hi(gr.x), bf16_lo(gr.y), bf16_hi(gr.y)};
+        float sk = 0.0f, sq2 = 0.0f;
+        for (int j = 0; j < 4; j++) {
+            sk = fmaf(k4[j], k4[j], sk);
+            sq2 = fmaf(q4[j], q4[j], sq2);
         }
+        for (int m = 16; m > 0; m >>= 1) {
+            sk += __shfl_xor_sync(FULL, sk, m);
+            sq2 += __shfl_xor_sync(FULL, sq2, m);
+        }
+        const float fk = 1.0f / sqrtf(sk + KDA_NORM_EPS), fq = scale / sqrtf(sq2 + KDA_NORM_EPS);
+        float a4[4];
+        for (int j = 0; j < 4; j++)
+            a4[j] = __expf(lb / (1.0f + __expf(-expA * (g4[j] + sm.dt_bias[4 * lane + j]))));
+        TokenOps &op = sm.ops[t];
+        reinterpret_cast<float4 *>(op.k)[lane] = make_float4(k4[0] * fk, k4[1] * fk, k4[2] * fk, k4[3] * fk);
+        reinterpret_cast<float4 *>(op.q)[lane] = make_float4(q4[0] * fq, q4[1] * fq, q4[2] * fq, q4[3] * fq);
+        reinterpret_cast<float4 *>(op.a)[lane] = make_float4(a4[0], a4[1], a4[2], a4[3]);
+    }
+    __syncthreads();
+
+    const int own = row0 + 2 * (l >> 1);   /* the row whose sums this lane holds after rows_sum */
+    for (int t = 0; t < len; t++) {
+        const TokenOps &op = sm.ops[t];
+        const size_t tok_head = size_t(sq.start + t) * heads + head;
+        float kk[8], a[8], p[8];
+        ops8<BF16>(op.k, l, kk);
+        ops8<BF16>(op.a, l, a);
 
         /* S = S diag(a); sk = S k^ */
-        float p[8];
         for (int i = 0; i < 8; i++) {
             p[i] = 0.0f;
             for (int j = 0; j < 8; j++) {
@@ -238,31 +293,22 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) step_kernel(const kda_
             }
         }
         const float sk = rows_sum(p, l);
-        const int own = row0 + 2 * (l >> 1);   /* the row whose sums this lane holds */
-        const float vv = __uint_as_float(uint32_t(reinterpret_cast<const uint16_t *>(in.v)[own]) << 16);
-        const float u = sm.b[t] * (vv - sk);
+        const float vv = __uint_as_float(uint32_t(reinterpret_cast<const uint16_t *>(sm.tok[t].v)[own]) << 16);
+        float (*ubuf)[16] = sm.u[t & 1];
+        put_u(ubuf, wl, half, l, sm.b[t] * (vv - sk));
 
+        /* S += u k^T; o = scale S q^ (q prepared with the scale) */
         float qq[8];
-        row8<BF16>(in.q, l, qq);
-        ss = 0.0f;
-        for (int j = 0; j < 8; j++)
-            ss += qq[j] * qq[j];
-        const float fq = scale / sqrtf(half_sum(ss) + KDA_NORM_EPS);
-        for (int j = 0; j < 8; j++)
-            qq[j] *= fq;
-
-        /* S += u k^T; o = scale S q^ */
+        ops8<BF16>(op.q, l, qq);
         for (int i = 0; i < 8; i++) {
-            const float ui = __shfl_sync(FULL, u, (lane & 16) | (2 * i));
+            const float ui = ubuf[wl][2 * i + half];
             p[i] = 0.0f;
             for (int j = 0; j < 8; j++) {
                 s[i][j] = fmaf(ui, kk[j], s[i][j]);
                 p[i] = fmaf(s[i][j], qq[j], p[i]);
             }
         }
-        const float o = rows_sum(p, l), o_next = __shfl_down_sync(FULL, o, 16);
-        if (half == 0 && !(l & 1))   /* rows 16w + l and 16w + l + 1 */
-            *reinterpret_cast<uint32_t *>(step->out + tok_head * D + 16 * warp + l) = pack_bf16(o, o_next);
+        store_out(step->out + tok_head * D, warp, half, l, rows_sum(p, l));
         if (step->states)
             store_state<BF16>(static_cast<char *>(step->states) + tok_head * head_elems * esize, row0, l, s);
     }
@@ -290,16 +336,16 @@ cudaError_t kda_step_launch(const kda_pool *pool, const kda_step *step_dev, int3
                             cudaStream_t stream)
 {
     using namespace kda_step_kernel;
-    const unsigned blocks = unsigned(int64_t(max_seqs) * pool->heads * (8 / warps));
+    const unsigned seq_heads = unsigned(int64_t(max_seqs) * pool->heads);
     const bool bf16 = pool->dtype == KDA_DTYPE_BF16;
     if (warps == 4 && bf16)
-        step_kernel<true, 4><<<blocks, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<true, 4><<<2 * seq_heads, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
     else if (warps == 4)
-        step_kernel<false, 4><<<blocks, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<false, 4><<<2 * seq_heads, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
     else if (bf16)
-        step_kernel<true, 8><<<blocks, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<true, 8><<<seq_heads, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
     else
-        step_kernel<false, 8><<<blocks, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<false, 8><<<seq_heads, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
     return cudaGetLastError();
 }
 
