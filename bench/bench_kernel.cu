@@ -189,13 +189,16 @@ static std::vector<DecodeWorkload> decode_workloads()
         {"H96 decode 256x1", 96, 256, 1, F, false, 2.558, 1.209},
         {"H32 decode 64x1", 32, 64, 1, F, false, 0.267, 0.142},
         {"H96 decode 64x1", 96, 64, 1, F, false, 0.0, 0.0},
+        {"H32 decode 256x2", 32, 256, 2, F, false, 0.0, 0.0},
         {"H32 decode 256x4", 32, 256, 4, F, false, 0.0, 0.0},
         {"H32 decode 256x4 kept", 32, 256, 4, F, true, 0.0, 0.857},   /* fla writes every token's state */
+        {"H32 decode 256x8", 32, 256, 8, F, false, 0.0, 0.0},
         {"H32 decode 256x16", 32, 256, 16, F, false, 0.0, 0.0},
         {"H32 decode 256x1 bf16", 32, 256, 1, B, false, 0.0, 0.0},
         {"H96 decode 256x1 bf16", 96, 256, 1, B, false, 0.0, 0.0},
         {"H32 decode 64x1 bf16", 32, 64, 1, B, false, 0.0, 0.0},
         {"H32 decode 256x4 bf16", 32, 256, 4, B, false, 0.0, 0.0},
+        {"H32 decode 256x4 kept bf16", 32, 256, 4, B, true, 0.0, 0.0},
     };
 }
 
