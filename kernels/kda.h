@@ -144,13 +144,17 @@ int kda_seqs_from_packed(kda_seq *seqs, int64_t n, int32_t heads, const int64_t 
  * for kda_seqs_from_packed.  Sequence n owns tokens [start, start + len) of
  * every tensor; starts are the running sum of the lengths (checked).
  *
- * Choosing between the two forms: a batch whose every sequence has
- * 1..KDA_STEP_MAX_TOKENS tokens runs as a step (kda_batch_is_step); any
- * longer sequence sends the batch to the chunked prefill.  Measured on the
- * H200 (bench/RESULTS.md): the step kernel stays near the state's bytes up to
- * a few tokens and costs ~2x them at 16, while the chunked kernel takes ~1.6x
- * them at any length up to one chunk.
+ * Choosing between the two forms (kda_batch_is_step): a batch whose every
+ * sequence has 1..KDA_STEP_CHOICE_TOKENS tokens runs as a step; a batch with
+ * any longer sequence runs as a chunked prefill, whichever form its requests
+ * came in (both kernels take the other's inputs: kda_seqs_from_packed turns
+ * a step's packed tensors into prefill descriptors).  Measured on the H200
+ * (bench/RESULTS.md, H = 32, 256 sequences, fp32 pool): the step kernel takes
+ * 1.11x the state's bytes at 1 token, 1.24x at 4, 1.67x at 8 and 2.8x at 16,
+ * the chunked kernel ~1.65x at any length up to 16; at 8 tokens they are
+ * level (0.43 ms each), so the step wins below and the chunked form above.
  */
+#define KDA_STEP_CHOICE_TOKENS 8
 #define KDA_STEP_MAX_TOKENS 16
 
 /* One sequence of a step (16 bytes; the CUDA backend reads it from device memory). */
@@ -194,7 +198,7 @@ int kda_step_seqs_fill(kda_step_seq *seqs, int32_t n, const int64_t *slots, cons
  */
 int kda_step_check(const kda_pool *pool, const kda_step *step, kda_error *err);
 
-/* 1 when a prefill batch may run as a step: every sequence has 1..KDA_STEP_MAX_TOKENS tokens. */
+/* 1 when a batch should run as a step: every sequence has 1..KDA_STEP_CHOICE_TOKENS tokens. */
 int kda_batch_is_step(const kda_seq *seqs, int64_t nseqs);
 
 /* Sets err (if any) and returns code; printf-style message. */

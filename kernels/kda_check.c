@@ -215,7 +215,7 @@ int kda_step_check(const kda_pool *pool, const kda_step *step, kda_error *err)
 int kda_batch_is_step(const kda_seq *seqs, int64_t nseqs)
 {
     for (int64_t i = 0; i < nseqs; i++)
-        if (seqs[i].len < 1 || seqs[i].len > KDA_STEP_MAX_TOKENS)
+        if (seqs[i].len < 1 || seqs[i].len > KDA_STEP_CHOICE_TOKENS)
             return 0;
     return nseqs > 0;
 }

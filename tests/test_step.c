@@ -401,9 +401,9 @@ static void bad_steps_write_nothing(void **unused)
     assert_int_equal(kda_step_seqs_fill(seqs, 2, slots, bad_lens, &tokens, &err), KDA_EINVAL);
     assert_non_null(strstr(err.msg, "seqs[1]: 17 tokens"));
 
-    kda_seq batch[2] = {{.len = 1}, {.len = 16}};
+    kda_seq batch[2] = {{.len = 1}, {.len = KDA_STEP_CHOICE_TOKENS}};
     assert_true(kda_batch_is_step(batch, 2));
-    batch[1].len = 17;
+    batch[1].len = KDA_STEP_CHOICE_TOKENS + 1;
     assert_false(kda_batch_is_step(batch, 2));
     batch[1].len = 0;
     assert_false(kda_batch_is_step(batch, 2));
