@@ -203,7 +203,7 @@ static void test_step_refusals(void **state)
         {"out", 1, TOK_BYTES(T), "out overlaps k in region 1"},
         {"states", 2, 64, "out overlaps states in region 2"},
         {"states", 1, 4 * TOK_BYTES(T), "states overlaps beta in region 1"},
-        {"out", 2, 8, "out: offset 8 is not a multiple of 16"},
+        {"out", 2, 8, "out.offset: 8 is not a multiple of 16"},
     };
     for (size_t i = 0; i < sizeof(regs) / sizeof(regs[0]); i++) {
         kp_step_params p = region_step();
