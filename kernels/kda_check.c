@@ -126,7 +126,7 @@ int kda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kd
             return kda_fail(err, KDA_EINVAL, "seqs[%lld]: a tensor or the layer is NULL",
                             (long long)i);
     }
-    return check_unique_slots(pool, &seqs[0].slot, sizeof *seqs, nseqs, err);
+    return check_unique_slots(pool, nseqs > 0 ? &seqs[0].slot : NULL, sizeof *seqs, nseqs, err);
 }
 
 int kda_seqs_from_packed(kda_seq *seqs, int64_t n, int32_t heads, const int64_t *cu_seqlens,
