@@ -7,26 +7,29 @@
  * those bytes at the copy rate and do the recurrent form of KDA.md on them
  * while they sit in registers.
  *
- * One CTA of 8 warps per (sequence, head) (or two of 4 warps: WARPS),
- * blockIdx.x = (sequence * H + head) * (8 / WARPS) + part, so neighbouring
- * CTAs read neighbouring state.  Warp w (of the 8) owns the state rows
- * v = 16w .. 16w + 15; half-warp `half` of it owns the rows 16w + 2i + half
- * (i = 0..7), and each of its 16 lanes holds 8 keys of each of those rows:
- * 64 state values per thread, fp32 whatever the pool's dtype.  Keys per lane:
+ * Two CTAs of 4 warps per (sequence, head) (kda_cuda_step; or one of 8:
+ * WARPS), blockIdx.x = (sequence * H + head) * (8 / WARPS) + part, so
+ * neighbouring CTAs read neighbouring state.  Warp w (of the 8) owns the
+ * state rows v = 16w .. 16w + 15; half-warp `half` of it owns the rows
+ * 16w + 2i + half (i = 0..7), and each of its 16 lanes holds 8 keys of each
+ * of those rows: 64 state values per thread, fp32 whatever the pool's dtype.
+ * Keys per lane:
  *   fp32 pool: k = 4l..4l+3 and 64+4l..64+4l+3 (two 16-byte loads per row)
  *   bf16 pool: k = 8l..8l+7                    (one 16-byte load per row)
  * so each warp-wide load or store moves whole 256-byte pieces of rows.
  *
- * Per CTA: the step's q, k, g, v rows of this head for all of the
- * sequence's tokens go to shared memory (cp.async) while the state loads are
- * in flight; then per token
+ * Per CTA: the state loads are issued first; the step's q, k, g, v rows of
+ * this head for the sequence's tokens go to shared memory (cp.async)
+ * meanwhile, and each token's k^, scale q^ and decay a are prepared there
+ * once (the warps take tokens in turn).  Then per token, per warp:
  *   S = S diag(a);  sk = S k^  (a sum over the half-warp, reduced with a
  *   transposing butterfly: 8 shuffles give lane l the sum of row i = l / 2);
- *   u = b (v - sk), broadcast back (8 shuffles);  S += u k^T;  o = scale S q^
- * (the same butterfly), stored as bf16 pairs; with step->states, the state
- * after the token is stored there.  The slot is written once, after the last
- * token.  Every input a CTA reads is in device memory and read when it runs,
- * so a launch captured in a CUDA Graph replays with new steps.
+ *   u = b (v - sk), spread back through shared memory;  S += u k^T;
+ *   o = scale S q^ (the same butterfly), stored as bf16 pairs; with
+ *   step->states, the state after the token is stored there.
+ * The slot is written once, after the last token.  Every input a CTA reads
+ * is in device memory and read when it runs, so a launch captured in a CUDA
+ * Graph replays with new steps.
  */
 #include "kda_decode_sm90.h"
 
