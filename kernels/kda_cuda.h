@@ -74,6 +74,24 @@ void kda_cuda_set_pairing(kda_cuda *cuda, kda_cuda_pairing pairing);
 /* The clusters of paired chains the device runs at once (AUTO pairs up to this many chains). */
 int kda_cuda_paired_clusters(const kda_cuda *cuda);
 
+/*
+ * Long chains cut into segments that run at once (docs/kernel.md, "Splitting
+ * a chain").  AUTO (the default): when at least three segments per sequence
+ * fit the SMs (2 x max_seqs x heads x 3 <= SMs, e.g. H = 8 with one sequence),
+ * each sequence of 2048 tokens or more is cut into up to SMs / (2 x max_seqs
+ * x heads) segments (at most 16), chosen on the device from its length; the
+ * launch is then four kernels instead of one.  The choice of the path depends
+ * only on max_seqs, heads and the GPU, so a captured graph stays valid for
+ * any batch of its bucket.  OFF never cuts; ALWAYS cuts whenever two segments
+ * fit, down to 64 tokens a segment (tests).
+ */
+typedef enum kda_cuda_split {
+    KDA_CUDA_SPLIT_AUTO = 0,
+    KDA_CUDA_SPLIT_OFF,
+    KDA_CUDA_SPLIT_ALWAYS,
+} kda_cuda_split;
+void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split);
+
 #ifdef __cplusplus
 }
 #endif
