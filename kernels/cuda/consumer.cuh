@@ -92,7 +92,7 @@ __device__ __forceinline__ void load_state(float (&acc)[64], const kda_fwd_param
             if (!zero) {
                 if (s.bf16) {
                     const uint32_t w = *reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(s.base) + at);
-                    v = make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+                    v = make_float2(bf16_lo(w), bf16_hi(w));
                 } else {
                     v = *reinterpret_cast<const float2 *>(static_cast<const float *>(s.base) + at);
                 }
@@ -147,11 +147,11 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
     for (int i = 0; i < 16; i++)
         u[i] = 0.0f;
 
-    constexpr uint32_t STAGES = prep_stages(PAIRED);
     PROF_START(wg == 0 && tid == 0);
     for (uint32_t n = 0;; n++) {
-        PrepStage &st = sm.prep[n % STAGES];
-        mbar_wait<PAIRED>(&sm.full[n % STAGES], (n / STAGES) & 1);
+        const StageUse use = stage_use<PAIRED>(n);
+        PrepStage &st = sm.prep[use.index];
+        mbar_wait<PAIRED>(&sm.full[use.index], use.phase);
         PROF_MARK(PROF_C_FULLWAIT);
         const ChunkHeader hdr = st.hdr;
         if (hdr.flags & CHUNK_END)
@@ -197,10 +197,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         for (int nt = 0; nt < C / 8; nt++) {
             const float2 bn = *reinterpret_cast<const float2 *>(&st.bn[8 * nt + ln.col]);
             const float2 bn2 = *reinterpret_cast<const float2 *>(&st.bn2[8 * nt + ln.col]);
-            pq[4 * nt + 0] = bn.x * __uint_as_float(vt[nt].x << 16) - bn2.x * pq[4 * nt + 0];
-            pq[4 * nt + 1] = bn.y * __uint_as_float(vt[nt].x & 0xffff0000u) - bn2.y * pq[4 * nt + 1];
-            pq[4 * nt + 2] = bn.x * __uint_as_float(vt[nt].y << 16) - bn2.x * pq[4 * nt + 2];
-            pq[4 * nt + 3] = bn.y * __uint_as_float(vt[nt].y & 0xffff0000u) - bn2.y * pq[4 * nt + 3];
+            pq[4 * nt + 0] = bn.x * bf16_lo(vt[nt].x) - bn2.x * pq[4 * nt + 0];
+            pq[4 * nt + 1] = bn.y * bf16_hi(vt[nt].x) - bn2.y * pq[4 * nt + 1];
+            pq[4 * nt + 2] = bn.x * bf16_lo(vt[nt].y) - bn2.x * pq[4 * nt + 2];
+            pq[4 * nt + 3] = bn.y * bf16_hi(vt[nt].y) - bn2.y * pq[4 * nt + 3];
         }
 
         /* 3: U^T = Uin^T . INV^T */
@@ -267,7 +267,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
 
         /* Every read of this stage is done: release it before the output stores, since an arrival
            with release at cluster scope waits for this thread's earlier stores to reach L2. */
-        uint64_t *empty = &sm.empty[n % STAGES];
+        uint64_t *empty = &sm.empty[use.index];
         mbar_arrive(empty);
         if (PAIRED)                                 /* the peer's producers write into both CTAs' stage */
             mbar_arrive_cluster(cluster_addr(empty, cluster_rank() ^ 1), 1);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "kda_fwd_sm90.h"
+#include "smem.cuh"
 #include "split.h"
 
 /*
@@ -116,7 +117,7 @@ extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, i
         const uintptr_t any = (uintptr_t)s->q | (uintptr_t)s->k | (uintptr_t)s->v | (uintptr_t)s->g | (uintptr_t)s->out;
         if (s->len > 0 && (any & 15))
             return kda_fail(err, KDA_EINVAL, "seqs[%lld]: q, k, v, g and out must be 16-byte aligned", (long long)i);
-        if (s->len > INT32_MAX - 32)
+        if (s->len > INT32_MAX - kda::C)
             return kda_fail(err, KDA_EINVAL, "seqs[%lld]: %lld tokens exceed the kernel's range",
                             (long long)i, (long long)s->len);
     }
