@@ -56,7 +56,6 @@ static std::vector<Workload> workloads()
         {"H8 fixed 32768", 8, {32768}, 3.247, 1.99},
         {"H32 fixed 131072", 32, {131072}, 15.29, 0.0},
         {"H32 fixed 8192", 32, {8192}, 1.057, 0.0},
-        {"H8 fixed 2048", 8, {2048}, 0.0, 0.0},          /* too short to cut: the split path's fixed cost */
     };
 }
 

@@ -134,6 +134,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
     float pq[32];    /* [P^T | O1^T]: n-tiles 0..3 = P^T, 4..7 = O1^T */
     float u[16];     /* U^T */
     uint16_t *out = nullptr;   /* null: the item's outputs are not stored (split path) */
+    uint32_t v_keep = ~0u;     /* 0: the values read as zeros (an identity item, split path) */
 #pragma unroll
     for (int i = 0; i < 64; i++)
         acc[i] = 0.0f;
@@ -160,6 +161,7 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         if (hdr.flags & CHUNK_FIRST) {
             const kda_seq &desc = p.seqs[hdr.seq];
             out = desc.out;
+            v_keep = desc.flags & KDA_SEQ_IDENTITY_STATE ? 0u : ~0u;
             load_state(acc, p, desc, hdr.head, ln);
             PROF_MARK(PROF_C_STATE);
         }
@@ -185,8 +187,8 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             const int mi = lane >> 3, nt = 2 * call + (mi >> 1), half = mi & 1;
             uint32_t r[4];
             ldmatrix_x4_trans(r, st.v.at(8 * nt + (lane & 7), ln.row0 - (lane >> 2) + 8 * half));
-            vt[2 * call] = make_uint2(r[0], r[1]);
-            vt[2 * call + 1] = make_uint2(r[2], r[3]);
+            vt[2 * call] = make_uint2(r[0] & v_keep, r[1] & v_keep);
+            vt[2 * call + 1] = make_uint2(r[2] & v_keep, r[3] & v_keep);
         }
         wgmma_wait<0>();
         fence_operands(pq);

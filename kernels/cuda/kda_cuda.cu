@@ -13,14 +13,11 @@
 #include "smem.cuh"
 #include "split.h"
 
-/*
- * Split path (split.h).  AUTO cuts into at least three pieces of at least 1024 tokens: segment 0
- * runs one CTA per chain (~2.5 us a chunk on the H200) and the others paired (~1.8 us), so
- * three pieces cost ~(2.5 + 1.8) / 3 = 1.4 us per chunk of the sequence against 1.8 whole, two
- * would cost more (2.2), and a piece of 32 chunks outweighs the path's fixed cost (plan, scan,
- * two more launches: ~10-20 us).  ALWAYS cuts into two or more pieces of 64 tokens (tests).
- */
-static const kda_split_shape SPLIT_AUTO = {0, 1024, 3}, SPLIT_ALWAYS = {0, 64, 2};
+/* Split path (split.h): segments of at least this many tokens; ALWAYS cuts down to two chunks. */
+static const int32_t SPLIT_MIN_TOKENS = 2048, SPLIT_MIN_TOKENS_ALWAYS = 64;
+/* AUTO splits when at least three segments per sequence fit: pass 1 and pass 3 cost about two
+   chains of a third of the length, against one of the whole length. */
+static const int SPLIT_MIN_SEGS = 3;
 
 struct kda_cuda {
     int device;
@@ -153,29 +150,29 @@ extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_
     p.state_is_bf16 = pool->dtype == KDA_DTYPE_BF16;
     p.sched = cuda->sched;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    kda_split_shape shape = cuda->split == KDA_CUDA_SPLIT_ALWAYS ? SPLIT_ALWAYS : SPLIT_AUTO;
     const int segs = cuda->split == KDA_CUDA_SPLIT_OFF ? 0
-                   : kda_split_segments(cuda->sm_count, max_seqs, pool->heads, shape.min_pieces);
+                   : kda_split_segments(cuda->sm_count, max_seqs, pool->heads,
+                                        cuda->split == KDA_CUDA_SPLIT_ALWAYS ? 2 : SPLIT_MIN_SEGS);
     cudaError_t e;
     if (segs == 0) {
         e = launch_fused(cuda, p, max_seqs, s);
     } else {   /* split.h: plan, pass 1, scan, pass 3 */
-        shape.segs = segs;
+        const int32_t min_tokens = cuda->split == KDA_CUDA_SPLIT_ALWAYS ? SPLIT_MIN_TOKENS_ALWAYS : SPLIT_MIN_TOKENS;
         const int32_t units = max_seqs * segs;
         kda_fwd_params pass = p;
         pass.scratch = cuda->split_states;
-        e = kda_split_plan(p, cuda->split_table, cuda->split_counts, max_seqs, shape, s);
+        e = kda_split_plan(p, cuda->split_table, cuda->split_counts, max_seqs, segs, min_tokens, s);
         if (e == cudaSuccess) {
             pass.seqs = cuda->split_table;
             pass.nseqs = cuda->split_counts;
-            e = launch_fused(cuda, pass, 3 * units, s);
+            e = launch_fused(cuda, pass, 2 * units, s);
         }
         if (e == cudaSuccess)
-            e = kda_split_scan(p, cuda->split_states, max_seqs, shape, s);
+            e = kda_split_scan(p, cuda->split_states, max_seqs, segs, min_tokens, s);
         if (e == cudaSuccess) {
-            pass.seqs = cuda->split_table + 3 * units;
+            pass.seqs = cuda->split_table + 2 * units;
             pass.nseqs = cuda->split_counts + 1;
-            e = launch_fused(cuda, pass, max_seqs * (segs - 1), s);
+            e = launch_fused(cuda, pass, units, s);
         }
     }
     return e == cudaSuccess ? KDA_OK : cuda_fail(err, e, "launching the KDA kernel");

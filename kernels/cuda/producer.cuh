@@ -80,7 +80,7 @@ __device__ __forceinline__ void load_item(const kda_fwd_params &p, int32_t seq, 
     const kda_seq &s = p.seqs[seq];
     cur.q = s.q;
     cur.k = s.k;
-    cur.v = s.flags & KDA_SEQ_IDENTITY_STATE ? nullptr : s.v;   /* null: values of zero (split path) */
+    cur.v = s.v;
     cur.g = s.g;
     cur.beta = s.beta;
     cur.len = s.len;
@@ -110,7 +110,7 @@ __device__ __forceinline__ void describe_chunk(const LoadCursor &cur, const kda_
     info.src[0] = cur.q + first;
     info.src[1] = cur.k + first;
     info.src[2] = cur.g + first;
-    info.src[3] = cur.v ? cur.v + first : nullptr;
+    info.src[3] = cur.v + first;
     info.beta_src = cur.beta + cur.t0 * int64_t(p.heads) + cur.head;
     info.dt_bias_src = cur.dt_bias;
 }
@@ -231,14 +231,13 @@ __device__ __forceinline__ uint32_t issue_row_copies(ProducerArea &area, ChunkIn
 /*
  * The chunk's values straight into the stage's swizzled value tile (read by
  * the consumers' ldmatrix.trans one step later), counted on `full` by one
- * cp.async arrival per thread; rows past the chunk's end become zeros, and
- * all of them for an item without values (src[3] null).
+ * cp.async arrival per thread; rows past the chunk's end become zeros.
  */
 __device__ __forceinline__ void issue_value_copies(PrepStage &st, const ChunkInfo &info, uint64_t *full,
                                                    const kda_fwd_params &p, int tid)
 {
     tid = per_chunk(tid);
-    const int ntok = info.src[3] ? info.hdr.ntok : 0;
+    const int ntok = info.hdr.ntok;
     const int64_t stride = int64_t(p.heads) * D;
     constexpr int ROWS_PER_PASS = WG_THREADS / 16;
     const int part = tid % 16, row0 = tid / 16;

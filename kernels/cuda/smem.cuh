@@ -204,7 +204,7 @@ struct ChunkInfo {
     float exp_a;                 /* e^A_log of the head */
     float lb2;                   /* lower_bound in log2 units */
     float scale;
-    const uint16_t *src[4];      /* q, k, g, v at the chunk's first token and this head (v null: zeros) */
+    const uint16_t *src[4];      /* q, k, g, v at the chunk's first token and this head */
     const uint16_t *beta_src;    /* beta at the chunk's first token and this head */
     const float *dt_bias_src;    /* the head's dt_bias row */
     float beta[C];               /* sigmoid(beta); 0 past the chunk's last token (stored when it is prepared) */
