@@ -78,9 +78,10 @@ int kda_cuda_paired_clusters(const kda_cuda *cuda);
  * Long chains cut into segments that run at once (docs/kernel.md, "Splitting
  * a chain").  AUTO (the default): when at least three segments per sequence
  * fit the SMs (2 x max_seqs x heads x 3 <= SMs, e.g. H = 8 with one sequence),
- * each sequence of 2048 tokens or more is cut into up to SMs / (2 x max_seqs
- * x heads) segments (at most 16), chosen on the device from its length; the
- * launch is then four kernels instead of one.  The choice of the path depends
+ * each sequence is cut into up to SMs / (2 x max_seqs x heads) segments (at
+ * most 16) of at least 2048 tokens, chosen on the device from its length
+ * (shorter sequences run whole); the launch is then four kernels instead of
+ * one (plan, pass 1, scan, pass 3).  The choice of the path depends
  * only on max_seqs, heads and the GPU, so a captured graph stays valid for
  * any batch of its bucket.  OFF never cuts; ALWAYS cuts whenever two segments
  * fit, down to 64 tokens a segment (tests).
