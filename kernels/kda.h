@@ -69,6 +69,8 @@ typedef struct kda_layer {
 
 /* kda_seq.flags */
 #define KDA_SEQ_ZERO_STATE 0x1u   /* start from a zero state, ignoring the slot's contents */
+/* Every other bit is reserved: kda_batch_check rejects it (the CUDA backend's own descriptors use
+   some, kernels/cuda/params.h). */
 
 /*
  * One sequence of a batch.  All tensors share the pool's H; tokens are
