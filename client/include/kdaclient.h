@@ -102,6 +102,8 @@ KDAC_EXPORT const char *kdac_version_string(void);
 /* The system service's socket, and the user instance's (under $XDG_RUNTIME_DIR). */
 #define KDAC_SYSTEM_SOCKET "/run/kdad/kdad.sock"
 #define KDAC_USER_SOCKET_NAME "kdad.sock"
+/* One kdad per GPU (kdad@GPU.service): /run/kdad/kdad-GPU.sock (kdac_socket_for_gpu). */
+#define KDAC_SYSTEM_SOCKET_DIR "/run/kdad"
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -239,7 +241,7 @@ static inline kdac_output kdac_output_region(uint32_t region, uint64_t offset)
 typedef struct kdac_client kdac_client;
 
 typedef struct kdac_options {
-    const char *socket_path; /* NULL: $KDAD_SOCKET if set, else kdac_socket_default() */
+    const char *socket_path; /* NULL: kdac_socket_default() ($KDAD_SOCKET, $KDAD_GPU, ...) */
     const char *client_name; /* sent in hello for the daemon's logs; NULL: "libkdaclient/0.1.0" */
     int timeout_ms;          /* limit for each blocking call (and open); 0: wait forever.
                                 A blocking call that times out closes the connection, since
@@ -251,10 +253,22 @@ KDAC_EXPORT void kdac_options_init(kdac_options *opts);
 
 /*
  * The socket path a client uses when the options name none, in buf:
- * $KDAD_SOCKET if set, else $XDG_RUNTIME_DIR/kdad.sock if that exists, else
- * /run/kdad/kdad.sock.  KDAC_E_INVALID_ARGUMENT if it does not fit in size.
+ * $KDAD_SOCKET if set, else kdac_socket_for_gpu($KDAD_GPU) if that is set,
+ * else $XDG_RUNTIME_DIR/kdad.sock if that exists, else /run/kdad/kdad.sock.
+ * KDAC_E_INVALID_ARGUMENT if it does not fit in size or $KDAD_GPU is not a
+ * valid GPU name.
  */
 KDAC_EXPORT int kdac_socket_default(char *buf, size_t size);
+
+/*
+ * The socket of the kdad instance serving one GPU (one kdad per GPU: the
+ * kdad@.service template), in buf: $XDG_RUNTIME_DIR/kdad-GPU.sock if that
+ * exists (a user instance), else /run/kdad/kdad-GPU.sock.  gpu is the
+ * instance name: a CUDA ordinal ("0", "1", ...) or a GPU UUID, as the unit
+ * kdad@GPU.service names it (1..64 bytes of [A-Za-z0-9-]).
+ * Errors: INVALID_ARGUMENT (a bad name, or the path does not fit in size).
+ */
+KDAC_EXPORT int kdac_socket_for_gpu(const char *gpu, char *buf, size_t size);
 
 /*
  * Connects and runs hello (blocking, bounded by opts->timeout_ms).  On
@@ -300,7 +314,7 @@ typedef struct kdac_server_info {
     char server[KDAC_TEXT_MAX + 1];    /* "kdad 0.1.0" */
     uint64_t instance;                 /* random per daemon start: a change means a restart */
     char backend[8];                   /* "cuda" or "cpu" */
-    bool has_gpu;                      /* the three gpu_* fields are set */
+    bool has_gpu;                      /* the gpu_* fields are set */
     char gpu_name[KDAC_TEXT_MAX + 1];  /* "NVIDIA H200" */
     char gpu_uuid[KDAC_TEXT_MAX + 1];  /* "GPU-xxxxxxxx-..." (what region_register_cuda names) */
     uint32_t gpu_index;                /* CUDA ordinal inside the daemon */
@@ -312,6 +326,8 @@ typedef struct kdac_server_info {
     uint32_t nfeatures;
     char features[KDAC_MAX_FEATURES][KDAC_NAME_MAX + 1];
     kdac_limits limits;
+    char gpu_pci_bus_id[32];           /* "0000:19:00.0" with has_gpu; "" from a daemon that
+                                          does not send it */
 } kdac_server_info;
 
 /* The hello result of this connection; valid until kdac_client_close. */
