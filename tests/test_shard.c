@@ -17,6 +17,7 @@
  * (all or none), a prefill one rank refuses after the other applied it
  * (reported with each rank's outcome; later reads see the slots out of
  * step), and a rank whose daemon went away (nothing is sent to any rank).
+ * Last, scripts/bench-ranks.sh drives the two halves at once.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -449,6 +450,31 @@ static void test_rank_down(void **state)
     assert_int_equal(kdad_stop(&a), 0);
 }
 
+/* scripts/bench-ranks.sh: one kdactl bench per daemon, started together, summed. */
+static void test_bench_ranks(void **state)
+{
+    setenv("KDACTL", build_path("client/kdactl"), 1);
+    char script[512];
+    snprintf(script, sizeof(script), "%s/scripts/bench-ranks.sh", KDAD_SOURCE_DIR);
+    char *argv[] = {"/bin/bash", script, "--json", half[0].sock, half[1].sock, "--",
+                    "--requests", "20", "--tokens", "32", "--clients", "2", NULL};
+    cmd_result r = cmd_run(argv);
+    if (r.status != 0)
+        fail_msg("bench-ranks.sh: exit %d: %s", r.status, r.err);
+    /* 20 requests of 32 tokens on each of the two ranks of 2 heads */
+    assert_contains(r.out, "\"rank\": 0, \"target\": \"");
+    assert_contains(r.out, "\"rank\": 1, ");
+    assert_contains(r.out, "\"heads\": 2, \"tokens\": 640, ");
+    assert_contains(r.out, "], \"tokens\": 1280, ");
+    cmd_free(&r);
+    char *bad[] = {"/bin/bash", script, "/nonexistent/kdad.sock", "--", "--requests", "1", NULL};
+    r = cmd_run(bad);
+    assert_int_equal(r.status, 3);
+    assert_contains(r.err, "rank 0 (/nonexistent/kdad.sock)");
+    cmd_free(&r);
+    unsetenv("KDACTL");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -457,6 +483,7 @@ int main(void)
         cmocka_unit_test(test_open_refusals),
         cmocka_unit_test(test_one_rank_refuses),
         cmocka_unit_test(test_rank_down),
+        cmocka_unit_test(test_bench_ranks),
     };
     return cmocka_run_group_tests(tests, start_all, stop_all);
 }
