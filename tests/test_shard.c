@@ -1,8 +1,11 @@
 /*
  * test_shard.c - libkdaclient's head-sharded client (kdac_shard_*) against
- * real kdad processes on the CPU backend: one daemon serving all H = 4 heads,
- * two daemons of 2 heads each (both configured `device: 0`, as two instances
- * sharing one GPU would be), and three of 1, 2 and 1 heads.
+ * real kdad processes: one daemon serving all H heads, two daemons of H/2
+ * heads, and three of H/4, H/2 and H/4.  test_shard: the CPU backend, H = 4,
+ * every daemon `device: 0` (as two instances sharing one GPU would be
+ * configured).  test_shard_cuda: the cuda backend, H = 32, rank r of each
+ * shard on GPU r % (the GPUs present): two instances on two GPUs, or sharing
+ * one; it exits 77 without a GPU.
  *
  * The sharded results must equal the single daemon's bit for bit: the KDA
  * recurrence of head h reads only head h's inputs, weights and state, and
@@ -34,20 +37,38 @@
 #include "kdad_proc.h"
 #include "testutil.h"
 
+#ifdef SHARD_CUDA
+#include <cuda_runtime_api.h>
+#define BACKEND "cuda"
+#define H 32 /* Kimi Linear's KDA heads: 16 per GPU at TP = 2 */
+#else
+#define BACKEND "cpu"
 #define H 4
+#endif
 #define D KDAC_HEAD_DIM
 #define STATE_ELEMS ((size_t)H * D * D)
 
 static kdad_proc full, half[2], uneven[2];
-static const char *const pair_yaml = "device: 0\n";
-/* rank 1 of the pair allows 8 slots per client: the all-or-none allocation test */
-static const char *const quota_yaml = "device: 0\nlimits:\n  max_slots_per_client: 8\n";
+static int ngpus = 1; /* ranks r run on device r % ngpus (cpu: the key is accepted, unused) */
+
+/* "device: N\n" plus more, in a static buffer per call slot. */
+static const char *yaml(int rank, const char *more)
+{
+    static char bufs[8][160];
+    static int next;
+    char *b = bufs[next++ % 8];
+    snprintf(b, sizeof(bufs[0]), "device: %d\n%s", rank % ngpus, more ? more : "");
+    return b;
+}
 
 static int start_all(void **state)
 {
-    if (!kdad_start(&full, H, NULL) || !kdad_start(&half[0], 2, pair_yaml) ||
-        !kdad_start(&half[1], 2, quota_yaml) || !kdad_start(&uneven[0], 1, NULL) ||
-        !kdad_start(&uneven[1], 1, NULL))
+    /* rank 1 of the pair allows 8 slots per client: the all-or-none allocation test */
+    if (!kdad_start_on(&full, BACKEND, H, yaml(0, NULL)) ||
+        !kdad_start_on(&half[0], BACKEND, H / 2, yaml(0, NULL)) ||
+        !kdad_start_on(&half[1], BACKEND, H / 2, yaml(1, "limits:\n  max_slots_per_client: 8\n")) ||
+        !kdad_start_on(&uneven[0], BACKEND, H / 4, yaml(0, NULL)) ||
+        !kdad_start_on(&uneven[1], BACKEND, H / 4, yaml(1, NULL)))
         return -1;
     return 0;
 }
@@ -278,14 +299,14 @@ static void sharded_equals_one(const char *const *paths, uint32_t nranks,
 static void test_two_halves_equal_one_daemon(void **state)
 {
     const char *paths[2] = {half[0].sock, half[1].sock};
-    const uint32_t first[2] = {0, 2};
+    const uint32_t first[2] = {0, H / 2};
     sharded_equals_one(paths, 2, first);
 }
 
 static void test_uneven_ranks_equal_one_daemon(void **state)
 {
     const char *paths[3] = {uneven[0].sock, half[0].sock, uneven[1].sock};
-    const uint32_t first[3] = {0, 1, 3};
+    const uint32_t first[3] = {0, H / 4, 3 * H / 4};
     sharded_equals_one(paths, 3, first);
 }
 
@@ -334,9 +355,11 @@ static void test_one_rank_refuses(void **state)
     kdac_layer layer = layer_make(&r, "X", A_log, dt_bias);
     /* rank 1 already has another "X" (the A_log of its first head differs) */
     kdac_layer other = layer;
-    float other_A[2] = {A_log[2] + 1.0f, A_log[3]};
+    float other_A[H / 2];
+    memcpy(other_A, A_log + H / 2, sizeof(other_A));
+    other_A[0] += 1.0f;
     other.A_log = other_A;
-    other.dt_bias = dt_bias + 2 * D;
+    other.dt_bias = dt_bias + H / 2 * D;
     assert_int_equal(kdac_layer_register(kdac_shard_client(s, 1), &other, NULL, &e), KDAC_OK);
     assert_int_equal(kdac_shard_layer_register(s, &layer, &e), KDAC_E_LAYER_EXISTS);
     char want[200];
@@ -366,7 +389,7 @@ static void test_one_rank_refuses(void **state)
     assert_int_equal(kdac_shard_slot_alloc(s, 1, 0, slots, &e), KDAC_OK);
     seq x;
     seq_make(&x, &r, 10);
-    uint16_t *half_in = calloc((size_t)10 * 2 * D + 1, 2);
+    uint16_t *half_in = calloc((size_t)10 * (H / 2) * D + 1, 2);
     kdac_seq alone = {.slot = slots[1], .len = 10, .q = kdac_tensor_inline(half_in),
                       .k = kdac_tensor_inline(half_in), .v = kdac_tensor_inline(half_in),
                       .g = kdac_tensor_inline(half_in), .beta = kdac_tensor_inline(half_in),
@@ -409,8 +432,8 @@ static void test_one_rank_refuses(void **state)
 static void test_rank_down(void **state)
 {
     kdad_proc a, b;
-    assert_true(kdad_start(&a, 2, pair_yaml));
-    assert_true(kdad_start(&b, 2, pair_yaml));
+    assert_true(kdad_start_on(&a, BACKEND, H / 2, yaml(0, NULL)));
+    assert_true(kdad_start_on(&b, BACKEND, H / 2, yaml(1, NULL)));
     const char *paths[2] = {a.sock, b.sock};
     kdac_shard *s = open_shard(paths, 2);
     test_rng r;
@@ -464,7 +487,9 @@ static void test_bench_ranks(void **state)
     /* 20 requests of 32 tokens on each of the two ranks of 2 heads */
     assert_contains(r.out, "\"rank\": 0, \"target\": \"");
     assert_contains(r.out, "\"rank\": 1, ");
-    assert_contains(r.out, "\"heads\": 2, \"tokens\": 640, ");
+    char want[64];
+    snprintf(want, sizeof(want), "\"heads\": %d, \"tokens\": 640, ", H / 2);
+    assert_contains(r.out, want);
     assert_contains(r.out, "], \"tokens\": 1280, ");
     cmd_free(&r);
     char *bad[] = {"/bin/bash", script, "/nonexistent/kdad.sock", "--", "--requests", "1", NULL};
@@ -477,6 +502,13 @@ static void test_bench_ranks(void **state)
 
 int main(void)
 {
+#ifdef SHARD_CUDA
+    if (cudaGetDeviceCount(&ngpus) != cudaSuccess || ngpus == 0) {
+        fprintf(stderr, "skipped: no CUDA device\n");
+        return 77;
+    }
+    fprintf(stderr, "%d GPU(s): rank r of each shard on device r %% %d\n", ngpus, ngpus);
+#endif
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_halves_equal_one_daemon),
         cmocka_unit_test(test_uneven_ranks_equal_one_daemon),
