@@ -386,18 +386,21 @@ int kdac_shard_slot_alloc(kdac_shard *s, uint32_t count, unsigned flags, uint64_
     if ((rc = report(s, calls, "slot.alloc", NULL, NULL, err)) == KDAC_OK)
         return KDAC_OK;
     /* All or none: give back what the other ranks allocated. */
-    uint64_t handles[count];
-    for (uint32_t r = 0; r < s->nranks; r++) {
+    uint64_t *handles = malloc((size_t)count * sizeof(*handles));
+    bool freed = handles != NULL;
+    for (uint32_t r = 0; r < s->nranks && handles; r++) {
         if (calls[r].status || !s->r[r].c)
             continue;
         for (uint32_t i = 0; i < count; i++)
             handles[i] = slots[(size_t)i * s->nranks + r];
-        kdac_slot_free(s->r[r].c, handles, count, NULL);
+        freed &= kdac_slot_free(s->r[r].c, handles, count, NULL) == KDAC_OK;
     }
+    free(handles);
     if (err) {
         size_t len = strlen(err->message);
-        snprintf(err->message + len, sizeof(err->message) - len,
-                 "; the other ranks' slots were freed again");
+        snprintf(err->message + len, sizeof(err->message) - len, "%s", freed
+                 ? "; the other ranks' slots were freed again"
+                 : "; the other ranks' slots could not all be freed (they go with the shard)");
     }
     return rc;
 }
