@@ -236,6 +236,25 @@ static void sharded_equals_one(const char *const *paths, uint32_t nranks,
     kdac_layer layer = layer_make(&r, "L", A_log, dt_bias);
     kdac_client *one = open_one(full.sock);
     kdac_shard *s = open_shard(paths, nranks);
+    /* which GPU each daemon serves: UUID and PCI bus id ("0000:19:00.0") */
+    for (uint32_t i = 0; i < nranks; i++) {
+        const kdac_server_info *info = kdac_client_info(kdac_shard_client(s, i));
+#ifdef SHARD_CUDA
+        unsigned dom, bus, dev, fn;
+        assert_true(info->has_gpu);
+        assert_int_equal(strncmp(info->gpu_uuid, "GPU-", 4), 0);
+        assert_int_equal(sscanf(info->gpu_pci_bus_id, "%4x:%2x:%2x.%1x", &dom, &bus, &dev, &fn),
+                         4);
+        assert_int_equal(strlen(info->gpu_pci_bus_id), 12);
+#else
+        assert_false(info->has_gpu);
+        assert_string_equal(info->gpu_pci_bus_id, "");
+#endif
+    }
+    /* with two GPUs, ranks 0 and 1 are on different ones: no state crosses GPUs */
+    if (ngpus >= 2 && strcmp(BACKEND, "cuda") == 0)
+        assert_string_not_equal(kdac_client_info(kdac_shard_client(s, 0))->gpu_uuid,
+                                kdac_client_info(kdac_shard_client(s, 1))->gpu_uuid);
     assert_int_equal(kdac_shard_nranks(s), nranks);
     assert_int_equal(kdac_shard_heads(s), H);
     for (uint32_t i = 0; i < nranks; i++)
