@@ -1,54 +1,73 @@
 /*
- * conn.h - one client connection: the socket, the read state machine that
- * cuts frames (proto/ kp_reader) and collects passed file descriptors, the
- * bounded output queue, backpressure, and the close sequence.
+ * conn.h - the transport: client connections' bytes and descriptors on one
+ * event loop.  It cuts frames, queues output within limits, carries the
+ * frame ring, and closes sockets; it knows nothing of requests, quotas or
+ * the daemon.  Upward it calls the handlers given when the transport was
+ * created (kd_conn_handlers), as libuv's streams call their callbacks; the
+ * owner steers reading with kd_conn_pause / kd_conn_resume.
  *
- * Reading: small frames are read through a 64 KiB buffer, large bodies
- * straight into the frame (no copy).  Every read uses recvmsg with room for
+ * Reading: small frames are read through a buffer, large bodies straight
+ * into the frame (no copy).  Every read uses recvmsg with room for
  * KP_MAX_PENDING_FDS descriptors; received descriptors join a FIFO that
  * fd-carrying requests take from in frame order (PROTOCOL.md §File
- * descriptors).  Each complete frame goes to dispatch.c at once.  Reading
- * pauses while the connection has max_inflight_requests unanswered requests
- * or max_inflight_bytes of their frames, and after KD_READ_BUDGET_BYTES per
- * wakeup (the loop serves the others, and comes back).
+ * descriptors).  Each complete frame goes to on_frame at once; reading stops
+ * while the connection is paused, and after read_budget bytes per wakeup
+ * (the loop serves the others, and comes back).
  *
  * Writing: responses queue as kp_writer iovec lists (large tensors are
  * referenced, not copied) and go out with sendmsg as the socket takes them.
- * Unread output above clients.output_hard_limit closes the connection at
- * once; above the soft limit for output_soft_seconds, too.
+ * Unread output above output_hard closes the connection at once; above
+ * output_soft for output_soft_ns, too.
  *
- * The frame ring (PROTOCOL.md §Frame ring): after ring.attach the frames of
- * both directions travel through a shared memory region instead of the
+ * The frame ring (PROTOCOL.md §Frame ring): after kd_conn_attach_ring the
+ * frames of both directions travel through shared memory instead of the
  * socket, which then carries only doorbell bytes (and passed descriptors).
- * The daemon's awake loop polls every ring (kd_conn_ring_poll) and publishes
- * what it waits for before it sleeps (kd_conn_ring_sleep), so that a client
- * rings only a sleeping daemon; kdad rings a client only when the client says
- * it sleeps.
+ * While the loop is awake (kd_transport_stay_awake: spin_us after an answer
+ * or a doorbell) every ring is polled; before it sleeps, each ring learns
+ * what its connection waits for, so that a client rings only a sleeping
+ * daemon; kdad rings a client only when the client says it sleeps.
  *
- * Closing: kd_conn_close stops reading, drops the connection's queued
- * requests, releases its regions and (unless slots persist) its slots,
- * queues a goodbye when there is a reason to give, and closes the socket
- * once the output is flushed (or after KD_CLOSE_FLUSH_MS).  Requests already
- * on the device finish; their responses are discarded.  The struct lives
- * until its last request is gone (refs).
+ * Closing: kd_conn_close stops reading, calls on_close (the owner lets go
+ * of what the connection held), queues a goodbye when there is a reason to
+ * give, and closes the socket once the output is flushed (or after
+ * close_flush_ns).  on_free follows once the socket is closed; then the
+ * struct is freed.
  */
 #ifndef KDAD_CONN_H
 #define KDAD_CONN_H
 
 #include <stdbool.h>
 #include <stdint.h>
-#include <sys/socket.h>
 
 #include <uv.h>
 
-#include "access.h"
 #include "kdaproto.h"
-#include "region.h"
-#include "sched.h"
-#include "stats.h"
 
-typedef struct kd_daemon kd_daemon;
-typedef struct kd_req kd_req;
+/* Why a connection closed (the `disconnects` counters). */
+#define KD_DISCONNECTS(X)                                                       \
+    X(PEER_CLOSED, "peer_closed")         /* the client closed or reset it */   \
+    X(PROTOCOL, "protocol")               /* a PROTOCOL error */                \
+    X(FRAME_TOO_LARGE, "frame_too_large") /* a frame over the cap */            \
+    X(VERSION, "unsupported_version")     /* hello found no common version */   \
+    X(OUTPUT_LIMIT, "output_limit")       /* unread responses over the limit */ \
+    X(PERMISSION, "permission")           /* peer not in the access lists */    \
+    X(TOO_MANY, "too_many_connections")   /* clients.max_connections reached */ \
+    X(QUOTA, "quota")                     /* its uid's connection quota reached */ \
+    X(IO_ERROR, "io_error")               /* read or write failed */            \
+    X(SHUTDOWN, "shutdown")               /* kdad drained and exits */          \
+    X(DEVICE_FAILED, "device_failed")     /* the device failed; kdad exits */
+
+typedef enum kd_disconnect {
+#define KD_DISC_ENUM(id, name) KD_DISC_##id,
+    KD_DISCONNECTS(KD_DISC_ENUM)
+#undef KD_DISC_ENUM
+    KD_DISC_COUNT
+} kd_disconnect;
+
+const char *kd_disconnect_name(kd_disconnect d);
+
+typedef struct kd_conn kd_conn;
+typedef struct kd_transport kd_transport;
 
 /* One queued outgoing frame. */
 typedef struct kd_out {
@@ -62,73 +81,113 @@ typedef struct kd_out {
     uint32_t nkeep, keep_cap;
 } kd_out;
 
-typedef struct kd_conn {
-    kd_daemon *d;
-    uint64_t serial;           /* >= 1, unique per daemon start (slot owner key) */
+/* The owner's side.  Every handler may close the connection. */
+typedef struct kd_conn_handlers {
+    /* A complete frame; the body is the handler's (malloc'd). */
+    void (*on_frame)(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_ns);
+    /* The byte stream broke the protocol (a bad frame header, descriptors
+     * misused, a ring counter no client could write); the connection
+     * closes next, with e as its goodbye. */
+    void (*on_error)(kd_conn *c, const kp_error *e);
+    /* The close sequence began: no more frames come. */
+    void (*on_close)(kd_conn *c, kd_disconnect reason);
+    /* The socket is closed; c is freed when this returns. */
+    void (*on_free)(kd_conn *c);
+} kd_conn_handlers;
+
+/* Set by the owner (and changed on reload). */
+typedef struct kd_transport_limits {
+    uint64_t output_hard;     /* unread output that closes at once */
+    uint64_t output_soft;     /* unread output that closes after output_soft_ns */
+    uint64_t output_soft_ns;
+    uint64_t close_flush_ns;  /* the time a goodbye gets to drain before the close */
+    uint64_t read_budget;     /* bytes read per connection and wakeup */
+    uint64_t write_budget;    /* bytes written per connection and wakeup */
+    uint32_t read_buffer;     /* frames smaller than this are read through a buffer */
+    uint32_t spin_us;         /* the loop polls this long after kd_transport_stay_awake */
+} kd_transport_limits;
+
+struct kd_conn {
+    kd_transport *t;
+    void *data;                /* the owner's */
+    uint64_t id;               /* the owner's number for it, in log lines */
     int fd;
     uv_poll_t poll;
     int events;                /* UV_READABLE / UV_WRITABLE now polled */
-    kd_peer peer;
-    bool uid_counted;          /* counts toward its uid's connections (quota.h) */
 
     kp_reader reader;
-    uint8_t *rbuf;             /* KD_READ_BUFFER_BYTES */
+    uint8_t *rbuf;             /* limits.read_buffer bytes */
     size_t rpos, rlen;         /* unconsumed bytes rbuf[rpos, rlen) */
     int fds[KP_MAX_PENDING_FDS]; /* received, unclaimed descriptors, oldest first */
     uint32_t nfds;
-
-    kp_session session;        /* geometry and limits from our hello result */
-    bool hello_done;
+    uint64_t max_frame;        /* the largest frame either way */
 
     kd_out *out_head, *out_tail;
     uint64_t out_bytes;        /* queued and not yet sent */
-    kd_out *spare;             /* sent frames kept for the next responses (SPARE_FRAMES) */
+    kd_out *spare;             /* sent frames kept for the next responses */
     uint32_t nspare;
     uint64_t over_soft_since;  /* uv_hrtime() when out_bytes passed the soft limit, or 0 */
 
-    kd_req *req_head, *req_tail; /* unanswered requests, arrival order */
-    uint32_t inflight;
-    uint64_t inflight_bytes;
-    uint64_t last_prefill_ns;  /* uv_hrtime() of its last prefill answer (hold.h, gathering) */
+    kp_ring ring;              /* the frame ring's state, once attached */
+    bool ring_attached;        /* frames move to the ring once the output is flushed */
+    bool ring_on;              /* frames travel through the ring */
 
-    kd_regions regions;
-    kp_ring ring;              /* the frame ring's state, once ring_region is set */
-    kd_region *ring_region;    /* the region holding it (one reference, dropped at close) */
-    bool ring_on;              /* frames travel through the ring (the attach answer has left) */
-    kd_sched_group group;      /* fairness in batch formation */
-
-    bool closing;              /* no more reading; responses are discarded */
+    bool paused;               /* the owner stopped reading (kd_conn_pause) */
+    bool closing;              /* no more reading; output is discarded */
     bool poll_closed;          /* uv_close was called on the poll handle */
     uint64_t close_deadline;   /* uv_hrtime() by which the socket closes anyway */
-    bool input_queued;         /* on the daemon's list of buffered input to process */
+    bool input_queued;         /* on the transport's list of buffered input to process */
     struct kd_conn *input_next;
-    uint32_t refs;             /* 1 while open, +1 per unanswered request */
-    struct kd_conn *prev, *next; /* the daemon's connections */
-} kd_conn;
+    uint32_t refs;             /* 1 while the socket is open, +1 while the loop works on it */
+    struct kd_conn *prev, *next;
+};
 
-/*
- * Adopts an accepted socket (non-blocking): checks the peer against the
- * access lists (access.h), the connection limit and its uid's connection
- * quota (quota.h), refusing with a goodbye, and starts reading.  Returns
- * NULL only without memory (the fd is closed).
- */
-kd_conn *kd_conn_new(kd_daemon *d, int fd, const kd_peer *peer);
+struct kd_transport {
+    uv_loop_t *loop;
+    kd_conn_handlers h;
+    kd_transport_limits lim;
+    kd_conn *conns;            /* open and closing */
+    uint32_t nconns;           /* all of them */
+    uint32_t nopen;            /* not closing */
+    uint32_t nrings;           /* on a frame ring (closing ones too) */
+    uint64_t ring_doorbells;   /* rung to sleeping ring clients */
+    kd_conn *input_head;       /* connections with buffered input to process */
+    uv_idle_t input_idle;
+    uv_idle_t spin;            /* keeps the loop polling (spin_us) */
+    uint64_t spin_until_ns;
+    bool stopped;              /* kd_transport_close was called */
+};
+
+void kd_transport_init(kd_transport *t, uv_loop_t *loop, const kd_conn_handlers *h,
+                       const kd_transport_limits *lim);
+/* Closes the transport's loop handles (every connection must be gone). */
+void kd_transport_close(kd_transport *t);
+/* Keeps the loop polling, and the frame rings polled, for spin_us. */
+void kd_transport_stay_awake(kd_transport *t);
+/* Whether the loop polls instead of sleeping now. */
+bool kd_transport_awake(const kd_transport *t);
+/* Periodic checks: the soft output limit and the close deadlines. */
+void kd_transport_housekeeping(kd_transport *t, uint64_t now);
+
+/* Adopts a connected, non-blocking socket and starts reading; id names it
+ * in log lines.  NULL only without memory (then the fd is closed). */
+kd_conn *kd_conn_new(kd_transport *t, int fd, uint64_t id, void *data);
 
 /* Starts the close sequence (see above).  goodbye: the error to send first,
  * or NULL to close silently (the peer is gone). */
 void kd_conn_close(kd_conn *c, kd_disconnect reason, const kp_error *goodbye);
 
-void kd_conn_ref(kd_conn *c);
-void kd_conn_unref(kd_conn *c);
+/* Backpressure: no frames are read while paused. */
+void kd_conn_pause(kd_conn *c);
+void kd_conn_resume(kd_conn *c);
 
-/* The owner key of this connection's slots: the connection itself, or its
- * uid when slots persist. */
-uint64_t kd_conn_owner(const kd_conn *c);
+/* The largest frame read or written from now on (hello raises it). */
+void kd_conn_set_max_frame(kd_conn *c, uint64_t bytes);
 
 /* Takes the oldest received descriptor, or -1 when none is waiting. */
 int kd_conn_take_fd(kd_conn *c);
 
-/* A frame to fill with an encoder: capped at what the peer accepts. */
+/* A frame to fill with an encoder: capped at max_frame. */
 kd_out *kd_out_new(kd_conn *c);
 /* The frame references buf: free it with the frame.  0 or KP_E_NO_MEMORY
  * (then buf is freed at once, and the caller must not send o). */
@@ -138,27 +197,12 @@ void kd_out_free(kd_out *o);
 /* Queues a frame (takes o).  Discarded when the connection is closing. */
 void kd_conn_send(kd_conn *c, kd_out *o);
 
-/* Re-evaluates backpressure after requests were answered: resumes reading,
- * and processes input already buffered. */
-void kd_conn_update(kd_conn *c);
-/* Processes buffered input (called from the daemon's idle handler). */
-void kd_conn_process_input(kd_conn *c);
-
 /*
- * ring.attach: frames move to the ring in `reg` (size bytes per direction,
- * already checked) once the answer to this, the only request in flight, has
- * left on the socket.  INVALID_PARAMS when the connection has a ring already
- * or anything else in flight or buffered.
+ * Frames move to a ring of size bytes per direction at mem (checked by the
+ * caller, and valid until on_free) once the output queued now has left on
+ * the socket.  INVALID_PARAMS when the connection has a ring already or
+ * bytes buffered either way.
  */
-int kd_conn_attach_ring(kd_conn *c, kd_region *reg, uint64_t size, kp_error *err);
-/* The awake loop: reads what the ring holds and writes what fits. */
-void kd_conn_ring_poll(kd_conn *c);
-/* Before the loop sleeps (awake false) or when it wakes: publishes what this
- * connection's ring waits for.  Going to sleep returns false when the ring
- * has work already (the loop stays awake). */
-bool kd_conn_ring_sleep(kd_conn *c, bool asleep);
-
-/* Periodic checks: the soft output limit and the close deadline. */
-void kd_conn_housekeeping(kd_conn *c, uint64_t now);
+int kd_conn_attach_ring(kd_conn *c, void *mem, uint64_t size, kp_error *err);
 
 #endif /* KDAD_CONN_H */

@@ -14,11 +14,7 @@
 
 #include "defaults.h"
 #include "dispatch.h"
-#include "exec.h"
 #include "log.h"
-
-#define REQ_OF(j) ((kd_req *)((char *)(j) - offsetof(kd_req, job)))
-#define RUN_OF(b) ((kd_run *)((char *)(b) - offsetof(kd_run, batch)))
 
 static void close_handles(kd_daemon *d);
 static void maybe_finish_drain(kd_daemon *d);
@@ -32,380 +28,80 @@ static uint64_t random_u64(void)
 }
 
 /* ---------------------------------------------------------------------- */
-/* The engine                                                             */
+/* Wiring: the transport's handlers, accepting, the engine's reports      */
 /* ---------------------------------------------------------------------- */
 
-void kd_daemon_job_left(kd_daemon *d, const kd_job *job)
+static kd_daemon *daemon_of(const kd_conn *c)
 {
-    for (uint32_t i = 0; i < job->nslots; i++) {
-        uint32_t s = job->slots[i];
-        if (kd_pool_slot(&d->pool, s)->retiring && kd_sched_slot_jobs(&d->sched, s) == 0)
-            kd_pool_release(&d->pool, s);
-    }
+    return ((kd_client *)c->data)->d;
 }
 
-static void free_run(kd_run *run)
+static void on_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_ns)
 {
-    free(run->batch.seqs);
-    free(run->batch.ops);
-    free(run->reqs);
-    free(run);
+    kd_dispatch_frame(c->data, body, len, arrival_ns);
 }
 
-/* A run sized for the jobs just formed: every sequence of every job, and at
- * most two operations per job (a lazy ZERO before a READ). */
-static kd_run *new_run(kd_job **jobs, size_t n)
+static void on_conn_error(kd_conn *c, const kp_error *e)
 {
-    size_t seqs = 0;
-    for (size_t i = 0; i < n; i++)
-        seqs += jobs[i]->cost.seqs;
-    kd_run *run = calloc(1, sizeof(*run));
-    if (!run)
-        return NULL;
-    run->batch.seqs = calloc(seqs ? seqs : 1, sizeof(*run->batch.seqs));
-    run->batch.ops = calloc(2 * n, sizeof(*run->batch.ops));
-    run->reqs = calloc(n, sizeof(*run->reqs));
-    if (!run->batch.seqs || !run->batch.ops || !run->reqs) {
-        free_run(run);
-        return NULL;
-    }
-    return run;
+    kd_stats_error(&daemon_of(c)->stats, e->code);
 }
 
-static kd_sched_limits batch_limits(const kd_daemon *d)
+static void on_conn_close(kd_conn *c, kd_disconnect reason)
 {
-    const kp_limits *l = &d->session.limits;
-    return (kd_sched_limits){l->max_batch_tokens, l->max_batch_seqs,
-                             d->backend->info.max_stage_in, d->backend->info.max_stage_out};
+    kd_daemon *d = daemon_of(c);
+    kd_client_closed(c->data, reason);
+    kd_engine_pump(&d->engine); /* dropped requests may have unblocked others */
 }
 
-/* Forms one batch and hands it to the backend; false when nothing was runnable. */
-static bool form_and_submit(kd_daemon *d)
+static void on_conn_free(kd_conn *c)
 {
-    const kp_limits *l = &d->session.limits;
-    size_t cap = l->max_batch_seqs ? l->max_batch_seqs : 1;
-    if (cap > d->form_cap) {
-        kd_job **v = realloc(d->form_scratch, cap * sizeof(*v));
-        if (!v)
-            return false; /* retried at the next pump */
-        d->form_scratch = v;
-        d->form_cap = cap;
-    }
-    kd_sched_limits lim = batch_limits(d);
-    size_t n = kd_sched_form(&d->sched, &lim, d->form_scratch, cap);
-    if (n == 0)
-        return false;
-    uint64_t formed = uv_hrtime();
-    kp_error e;
-    kd_run *run = new_run(d->form_scratch, n);
-    if (!run) {
-        kp_fail(&e, KP_E_NO_MEMORY, "no memory to form a batch");
-        for (size_t i = 0; i < n; i++) {
-            kd_req *r = REQ_OF(d->form_scratch[i]);
-            kd_sched_done(&d->sched, &r->job);
-            kd_daemon_job_left(d, &r->job);
-            kd_req_fail(r, &e);
-        }
-        return true;
-    }
-    for (size_t i = 0; i < n; i++)
-        kd_exec_prepare(REQ_OF(d->form_scratch[i]), run);
-    if (run->nreqs == 0) {
-        free_run(run);
-        return true;
-    }
-    run->batch.t.formed_ns = formed;
-    if (d->backend->inflight == 0)
-        d->progress_ns = uv_hrtime();
-    if (kd_backend_submit(d->backend, &run->batch, &e) != KP_OK) {
-        KD_ERROR("submitting a batch failed: %s", e.message);
-        run->batch.status = KD_BATCH_FAILED;
-        run->batch.code = e.code;
-        snprintf(run->batch.message, sizeof(run->batch.message), "%.250s", e.message);
-        for (uint32_t i = 0; i < run->nreqs; i++)
-            kd_exec_finish(run->reqs[i], &run->batch);
-        free_run(run);
-        if (e.code == KP_E_DEVICE_FAILED)
-            kd_daemon_fatal(d, e.message);
-        return true;
-    }
-    run->next = d->runs;
-    d->runs = run;
-    d->stats.batches++;
-    KD_DEBUG("batch: %u requests, %u sequences, %u operations", run->nreqs, run->batch.nseqs,
-             run->batch.nops);
-    return true;
+    kd_daemon *d = daemon_of(c);
+    kd_client_conn_freed(c->data);
+    if (d->stopping && !d->net.conns)
+        close_handles(d);
 }
 
-static kd_hold_policy hold_policy(const kd_daemon *d)
-{
-    return (kd_hold_policy){d->cfg.hold_while_busy, d->cfg.hold_fill_percent, d->cfg.hold_max_us,
-                            d->cfg.gather_us, d->cfg.gather_wave_percent};
-}
+static const kd_conn_handlers conn_handlers = {on_frame, on_conn_error, on_conn_close,
+                                               on_conn_free};
 
-/* Whether c's next prefill is likely on its way (hold.h, gathering): it has
- * none waiting, and one running (to be answered) or answered within
- * KD_GATHER_RECENT_US. */
-static bool awaited(const kd_conn *c, uint64_t now)
+static void on_accept(void *ctx, int fd)
 {
-    if (c->closing)
-        return false;
-    bool running = false;
-    for (const kd_req *r = c->req_head; r; r = r->next) {
-        if (r->method != KP_METHOD_PREFILL)
-            continue;
-        if (r->job.state == KD_JOB_QUEUED)
-            return false;
-        running |= r->job.state == KD_JOB_RUNNING;
-    }
-    return running ||
-           (c->last_prefill_ns && now - c->last_prefill_ns < (uint64_t)KD_GATHER_RECENT_US * 1000u);
-}
-
-static bool any_awaited(const kd_daemon *d, uint64_t now)
-{
-    /* Without a job running or a prefill answered lately none can be: no walk
-     * over a fleet of idle connections. */
-    if (d->sched.running == 0 &&
-        now - d->last_prefill_ns >= (uint64_t)KD_GATHER_RECENT_US * 1000u)
-        return false;
-    for (const kd_conn *c = d->conns; c; c = c->next) {
-        if (awaited(c, now))
-            return true;
-    }
-    return false;
-}
-
-/* Whether the next batch waits: for the device to finish, or for more work (hold.h). */
-static bool hold_next(kd_daemon *d)
-{
-    kd_hold_policy p = hold_policy(d);
-    kd_sched_limits lim = batch_limits(d);
-    const kd_backend_info *bi = &d->backend->info;
-    uint64_t now = uv_hrtime();
-    bool busy = d->backend->on_device > 0;
-    kd_hold_view v = {busy, &d->sched.runnable, &lim, d->session.geometry.heads, bi->wave_chains,
-                      bi->paired_chains, false, now};
-    /* Only where it matters (the walk over the connections is the costly
-     * part), and not while draining: no new work is coming then. */
-    if (!busy && p.gather_us && !d->draining && d->sched.runnable.seqs &&
-        kd_hold_poor_wave(&p, &v))
-        v.awaited = any_awaited(d, now);
-    kd_hold_verdict verdict = kd_hold_next(&d->hold, &p, &v);
-    if (verdict == KD_HOLD_BEGIN)
-        d->stats.batches_held++;
-    else if (verdict == KD_HOLD_GATHER_BEGIN)
-        d->stats.batches_gathered++;
-    return verdict != KD_HOLD_GO;
-}
-
-/*
- * A held batch's deadline (batching.hold_max_us, or gather_us).  The check handle looks on
- * every turn of the loop: to the microsecond while the loop is awake (in
- * poll mode it is, while cuda batches run).  The timer wakes a sleeping
- * loop; libuv counts it in whole milliseconds of a clock read once per
- * turn, so it may fire early: the pump then sets it again for what is left.
- */
-static void on_hold_check(uv_check_t *h)
-{
-    kd_daemon *d = h->data;
-    kd_hold_policy p = hold_policy(d);
-    if (uv_hrtime() >= kd_hold_deadline(&d->hold, &p))
-        kd_daemon_pump(d);
-}
-
-static void on_hold_timer(uv_timer_t *t)
-{
-    kd_daemon_pump(t->data);
-}
-
-static void arm_hold(kd_daemon *d)
-{
-    if (!d->hold.holding || d->fatal) {
-        uv_timer_stop(&d->hold_timer);
-        uv_check_stop(&d->hold_check);
+    kd_peer peer;
+    if (kd_peer_read(fd, &peer) != 0) {
+        KD_WARN("SO_PEERCRED: %s; connection dropped", strerror(errno));
+        close(fd);
         return;
     }
-    kd_hold_policy p = hold_policy(d);
-    uint64_t now = uv_hrtime(), due = kd_hold_deadline(&d->hold, &p);
-    uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
-    uv_timer_start(&d->hold_timer, on_hold_timer, ms, 0);
-    uv_check_start(&d->hold_check, on_hold_check);
+    kd_client_new(ctx, fd, &peer);
 }
 
-void kd_daemon_pump(kd_daemon *d)
+static kd_transport_limits transport_limits(const kd_config *cfg)
 {
-    if (d->pumping) {
-        d->pump_again = true;
-        return;
-    }
-    d->pumping = true;
-    do {
-        d->pump_again = false;
-        kd_job *j;
-        while ((j = kd_sched_next_host(&d->sched)))
-            kd_exec_host(REQ_OF(j));
-        while (!d->fatal && d->backend->inflight < d->backend->info.depth && !hold_next(d) &&
-               form_and_submit(d))
-            ;
-    } while (d->pump_again);
-    d->pumping = false;
-    arm_hold(d);
-    maybe_finish_drain(d);
+    return (kd_transport_limits){
+        .output_hard = cfg->output_hard_limit,
+        .output_soft = cfg->output_soft_limit,
+        .output_soft_ns = (uint64_t)cfg->output_soft_seconds * 1000000000ull,
+        .close_flush_ns = (uint64_t)KD_CLOSE_FLUSH_MS * 1000000ull,
+        .read_budget = KD_READ_BUDGET_BYTES,
+        .write_budget = KD_WRITE_BUDGET_BYTES,
+        .read_buffer = KD_READ_BUFFER_BYTES,
+        .spin_us = cfg->spin_us,
+    };
 }
 
-/* The device finished its last batch while that one still unstages. */
-static void on_device_idle(void *ctx)
+static void on_engine_fatal(void *ctx, const char *why)
 {
-    kd_daemon_pump(ctx);
+    kd_daemon_fatal(ctx, why);
 }
 
-/*
- * After answering a batch the loop polls for batching.spin_us instead of
- * sleeping in epoll: a client that sends its next request as soon as it has
- * the answer (a serving stack's next layer, a closed-loop benchmark) is read
- * at once instead of after a wake-up, which costs tens of microseconds on a
- * virtual machine.  Frame rings (conn.h) are read by this polling alone while
- * it lasts; before the loop sleeps, each ring learns what its connection
- * waits for, so that its client rings the doorbell.
- */
-static void poll_rings(kd_daemon *d)
+static void on_engine_settled(void *ctx)
 {
-    if (d->nrings == 0)
-        return;
-    for (kd_conn *c = d->conns, *next; c; c = next) {
-        kd_conn_ref(c);
-        kd_conn_ring_poll(c);
-        next = c->next;
-        kd_conn_unref(c);
-    }
-}
-
-/* Publishes every ring's wants; false (and awake again) if one has work. */
-static bool rings_sleep(kd_daemon *d)
-{
-    if (d->nrings == 0)
-        return true;
-    bool quiet = true;
-    for (kd_conn *c = d->conns; c; c = c->next)
-        quiet = kd_conn_ring_sleep(c, true) && quiet;
-    if (!quiet) {
-        for (kd_conn *c = d->conns; c; c = c->next)
-            kd_conn_ring_sleep(c, false);
-    }
-    return quiet;
-}
-
-static void on_spin(uv_idle_t *h)
-{
-    kd_daemon *d = h->data;
-    poll_rings(d);
-    if (uv_hrtime() >= d->spin_until_ns && rings_sleep(d))
-        uv_idle_stop(h);
-}
-
-bool kd_daemon_awake(const kd_daemon *d)
-{
-    return uv_is_active((const uv_handle_t *)&d->spin);
-}
-
-void kd_daemon_stay_awake(kd_daemon *d)
-{
-    if (d->cfg.spin_us == 0 || d->stopping)
-        return;
-    d->spin_until_ns = uv_hrtime() + (uint64_t)d->cfg.spin_us * 1000u;
-    if (kd_daemon_awake(d))
-        return;
-    for (kd_conn *c = d->conns; c && d->nrings; c = c->next)
-        kd_conn_ring_sleep(c, false);
-    uv_idle_start(&d->spin, on_spin);
-}
-
-static void on_batch_done(void *ctx, kd_batch *batch)
-{
-    kd_daemon *d = ctx;
-    kd_run *run = RUN_OF(batch);
-    for (kd_run **p = &d->runs; *p; p = &(*p)->next) {
-        if (*p == run) {
-            *p = run->next;
-            break;
-        }
-    }
-    d->progress_ns = uv_hrtime();
-    if (batch->status != KD_BATCH_OK)
-        KD_ERROR("batch of %u requests failed (%d): %s", run->nreqs, (int)batch->status,
-                 batch->message);
-    /* Work that waited for a free buffer goes to the device before this
-     * batch's responses are written, so the device does not idle meanwhile.
-     * Its jobs still head their slots' FIFOs: nothing queued behind them on
-     * the same slots can form yet. */
-    if (batch->status == KD_BATCH_OK)
-        kd_daemon_pump(d);
-    for (uint32_t i = 0; i < run->nreqs; i++)
-        kd_exec_finish(run->reqs[i], batch);
-    if (batch->status == KD_BATCH_OK) {
-        batch->t.replied_ns = uv_hrtime();
-        kd_stats_batch(&d->stats, &batch->t);
-    }
-    kd_daemon_stay_awake(d);
-    bool fatal = batch->status == KD_BATCH_FATAL;
-    char why[sizeof(batch->message)];
-    snprintf(why, sizeof(why), "%s", batch->message);
-    free_run(run);
-    if (fatal)
-        kd_daemon_fatal(d, why);
-    kd_daemon_pump(d);
-}
-
-/* ---------------------------------------------------------------------- */
-/* Input processing                                                       */
-/* ---------------------------------------------------------------------- */
-
-static void on_input_idle(uv_idle_t *h)
-{
-    kd_daemon *d = h->data;
-    kd_conn *list = d->input_head;
-    d->input_head = NULL;
-    while (list) {
-        kd_conn *c = list;
-        list = c->input_next;
-        c->input_queued = false;
-        kd_conn_process_input(c);
-        kd_conn_unref(c);
-    }
-    if (!d->input_head)
-        uv_idle_stop(&d->input_idle);
-}
-
-void kd_daemon_queue_input(kd_daemon *d, kd_conn *c)
-{
-    if (c->input_queued)
-        return;
-    c->input_queued = true;
-    kd_conn_ref(c);
-    c->input_next = d->input_head;
-    d->input_head = c;
-    uv_idle_start(&d->input_idle, on_input_idle);
+    maybe_finish_drain(ctx);
 }
 
 /* ---------------------------------------------------------------------- */
 /* Gauges, metrics, watchdog, housekeeping                                */
 /* ---------------------------------------------------------------------- */
-
-void kd_daemon_gauges(const kd_daemon *d, kd_stats_gauges *g)
-{
-    memset(g, 0, sizeof(*g));
-    g->slots_total = d->pool.nslots;
-    g->slots_used = kd_pool_used(&d->pool);
-    g->slots_lost = d->pool.nlost;
-    g->layers = d->layers.n;
-    for (const kd_conn *c = d->conns; c; c = c->next) {
-        g->regions += c->regions.count;
-        g->rings += c->ring_on && !c->closing;
-    }
-    g->queued = d->sched.queued;
-    g->running = d->backend->inflight;
-}
 
 typedef struct metrics_job {
     uv_work_t work;
@@ -452,7 +148,7 @@ static void on_metrics(uv_timer_t *t)
     if (d->metrics_writing || !d->cfg.prometheus_file[0])
         return;
     kd_stats_gauges g;
-    kd_daemon_gauges(d, &g);
+    kd_dispatch_gauges(d, &g);
     metrics_job *m = calloc(1, sizeof(*m));
     if (!m)
         return;
@@ -479,39 +175,21 @@ static void start_metrics(kd_daemon *d)
 static bool watchdog_progress(void *arg, uint64_t interval_ns)
 {
     kd_daemon *d = arg;
-    return !d->runs || uv_hrtime() - d->progress_ns < interval_ns;
-}
-
-/* Answers every request still waiting for the device with e. */
-static void abandon_queued(kd_daemon *d, const kp_error *e)
-{
-    for (kd_conn *c = d->conns, *cn; c; c = cn) {
-        cn = c->next;
-        kd_conn_ref(c);
-        for (kd_req *r = c->req_head, *rn; r; r = rn) {
-            rn = r->next;
-            if (r->job.state == KD_JOB_QUEUED)
-                kd_exec_abandon(r, e);
-        }
-        kd_conn_unref(c);
-    }
+    return !d->engine.runs || uv_hrtime() - d->engine.progress_ns < interval_ns;
 }
 
 static void on_housekeeping(uv_timer_t *t)
 {
     kd_daemon *d = t->data;
     uint64_t now = uv_hrtime();
-    for (kd_conn *c = d->conns, *next; c; c = next) {
-        next = c->next;
-        kd_conn_housekeeping(c, now);
-    }
+    kd_transport_housekeeping(&d->net, now);
     kd_server_tick(&d->server);
     if (d->draining && !d->stopping && now > d->drain_deadline && d->sched.queued) {
         kp_error e;
         kp_fail(&e, KP_E_SHUTTING_DOWN, "the daemon is shutting down: drain_timeout_ms passed "
                 "before this request reached the device");
         KD_WARN("drain timeout: answering %u waiting requests SHUTTING_DOWN", d->sched.queued);
-        abandon_queued(d, &e);
+        kd_engine_abandon_queued(&d->engine, &e);
         maybe_finish_drain(d);
     }
 }
@@ -522,9 +200,9 @@ static void on_housekeeping(uv_timer_t *t)
 
 static void maybe_finish_drain(kd_daemon *d)
 {
-    if (!d->draining || d->stopping || d->pumping)
+    if (!d->draining || d->stopping || d->engine.pumping)
         return;
-    if (d->sched.queued || d->sched.running || d->runs)
+    if (d->sched.queued || d->sched.running || d->engine.runs)
         return;
     d->stopping = true;
     kp_error e;
@@ -533,18 +211,12 @@ static void maybe_finish_drain(kd_daemon *d)
                 "an empty pool");
     else
         kp_fail(&e, KP_E_SHUTTING_DOWN, "the daemon is shutting down");
-    KD_NOTICE("%s: closing %u connections", d->fatal ? "device failure" : "drained", d->nconns);
-    for (kd_conn *c = d->conns, *next; c; c = next) {
+    KD_NOTICE("%s: closing %u connections", d->fatal ? "device failure" : "drained", d->net.nopen);
+    for (kd_conn *c = d->net.conns, *next; c; c = next) {
         next = c->next;
         kd_conn_close(c, d->fatal ? KD_DISC_DEVICE_FAILED : KD_DISC_SHUTDOWN, &e);
     }
-    if (!d->conns)
-        close_handles(d);
-}
-
-void kd_daemon_conn_freed(kd_daemon *d)
-{
-    if (d->stopping && !d->conns)
+    if (!d->net.conns)
         close_handles(d);
 }
 
@@ -558,7 +230,7 @@ void kd_daemon_drain(kd_daemon *d)
               d->backend->inflight);
     kd_notify_stopping();
     kd_server_close(&d->server);
-    kd_daemon_pump(d); /* a gathered batch goes now: no new work is coming (hold.h) */
+    kd_engine_pump(&d->engine); /* a gathered batch goes now: no new work is coming (hold.h) */
 }
 
 void kd_daemon_fatal(kd_daemon *d, const char *why)
@@ -570,7 +242,7 @@ void kd_daemon_fatal(kd_daemon *d, const char *why)
     KD_ERROR("device failure: %s; failing all work and exiting", why);
     kp_error e;
     kp_fail(&e, KP_E_DEVICE_FAILED, "the device failed before this request ran: %s", why);
-    abandon_queued(d, &e);
+    kd_engine_abandon_queued(&d->engine, &e);
     if (!d->draining) {
         d->draining = true;
         d->drain_deadline = uv_hrtime();
@@ -593,10 +265,8 @@ static void close_handles(kd_daemon *d)
     }
     uv_close((uv_handle_t *)&d->housekeeping, NULL);
     uv_close((uv_handle_t *)&d->metrics, NULL);
-    uv_close((uv_handle_t *)&d->input_idle, NULL);
-    uv_close((uv_handle_t *)&d->spin, NULL);
-    uv_close((uv_handle_t *)&d->hold_timer, NULL);
-    uv_close((uv_handle_t *)&d->hold_check, NULL);
+    kd_transport_close(&d->net);
+    kd_engine_close(&d->engine);
     if (d->watchdog_on)
         kd_watchdog_close(&d->watchdog);
     kd_layers_destroy(&d->layers);
@@ -710,11 +380,12 @@ int kd_daemon_reload(kd_daemon *d)
     d->cfg = nc;
     d->session.limits = d->cfg.limits;
     kd_log_set_level(d->cfg.log_level);
+    d->net.lim = transport_limits(&d->cfg);
     start_metrics(d);
     KD_NOTICE("reloaded: log level %s, %u layers", kd_log_level_name(d->cfg.log_level),
               d->layers.n);
     kd_notify_ready("serving");
-    kd_daemon_pump(d); /* the batch limits may have changed */
+    kd_engine_pump(&d->engine); /* the batch limits may have changed */
     return 0;
 }
 
@@ -801,8 +472,8 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         .nbuckets = buckets(&d->cfg, bucket_list),
         .max_inline_bytes = d->cfg.limits.max_inline_bytes,
     };
-    int rc = kd_backend_create(loop, &bc, on_batch_done, on_device_idle, d, &d->backend, err,
-                               errlen);
+    int rc = kd_backend_create(loop, &bc, kd_engine_batch_done, kd_engine_device_idle, &d->engine,
+                               &d->backend, err, errlen);
     if (rc != KP_OK)
         return rc == KP_E_NOT_SUPPORTED ? KD_EXIT_UNAVAILABLE : KD_EXIT_FAILURE;
     if (kd_pool_init(&d->pool, d->cfg.slots, (uint32_t)random_u64()) != KP_OK ||
@@ -815,14 +486,12 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         return KD_EXIT_USAGE;
     kd_log_set_level(d->cfg.log_level);
 
+    kd_transport_limits tl = transport_limits(&d->cfg);
+    kd_transport_init(&d->net, loop, &conn_handlers, &tl);
+    kd_engine_init(&d->engine, d, on_engine_fatal, on_engine_settled, d);
     uv_timer_init(loop, &d->housekeeping);
     uv_timer_init(loop, &d->metrics);
-    uv_idle_init(loop, &d->input_idle);
-    uv_idle_init(loop, &d->spin);
-    uv_timer_init(loop, &d->hold_timer);
-    uv_check_init(loop, &d->hold_check);
-    d->housekeeping.data = d->metrics.data = d->input_idle.data = d->spin.data = d;
-    d->hold_timer.data = d->hold_check.data = d;
+    d->housekeeping.data = d->metrics.data = d;
     uv_timer_start(&d->housekeeping, on_housekeeping, KD_HOUSEKEEPING_MS, KD_HOUSEKEEPING_MS);
     start_metrics(d);
     return KD_EXIT_OK;
@@ -830,8 +499,12 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
 
 int kd_daemon_listen(kd_daemon *d, char *err, size_t errlen)
 {
-    return kd_server_listen(&d->server, d, &d->cfg, err, errlen) == 0 ? KD_EXIT_OK
-                                                                       : KD_EXIT_FAILURE;
+    char path[4096];
+    kd_config_socket_path(&d->cfg, path, sizeof(path));
+    kd_server_socket sock = {path, d->cfg.socket_mode, d->cfg.socket_group};
+    return kd_server_listen(&d->server, d->loop, &sock, on_accept, d, err, errlen) == 0
+               ? KD_EXIT_OK
+               : KD_EXIT_FAILURE;
 }
 
 void kd_daemon_ready(kd_daemon *d)
@@ -857,6 +530,6 @@ void kd_daemon_destroy(kd_daemon *d)
     kd_sched_destroy(&d->sched);
     kd_pool_destroy(&d->pool);
     kd_quota_destroy(&d->quota);
-    free(d->form_scratch);
+    kd_engine_destroy(&d->engine);
     kd_config_free(&d->cfg);
 }

@@ -1,6 +1,6 @@
 /*
- * daemon.h - the daemon object: everything the event loop owns, and the
- * engine that moves work from the scheduler to the backend and back.
+ * daemon.h - the daemon object: everything the event loop owns, and its
+ * lifecycle.
  *
  * Threads: one libuv loop thread owns every socket, the queues, the pool
  * bookkeeping and the layer registry.  The backends do their heavy host work
@@ -9,20 +9,17 @@
  * a thread that waits for each batch's event and wakes the loop.  Nothing
  * on the loop waits for a device.
  *
- * The engine (kd_daemon_pump): whenever the backend can take another batch
- * (one at a time on cpu, two on cuda so batch k+1 is prepared while batch k
- * runs), the scheduler forms one from every runnable job within the batch
- * limits, exec.c prepares each job (run-time checks, descriptors, slot
- * operations), and the backend gets the batch.  On an idle device a lone
- * request is launched at once; while a batch executes there, a small next
- * batch is held back until the device finishes, it fills up, or its
- * deadline passes (hold.h).  Host jobs (slot.free, slot.reset) run as soon
- * as they are runnable.
- *
- * Lifecycle: init (config, backend, pool, layers) -> listen -> run ->
- * drain (SIGTERM/SIGINT: stop accepting, finish admitted work, goodbye,
- * exit 0) or fatal (device failure: answer everything DEVICE_FAILED, exit
- * non-zero).  SIGHUP reloads the configuration (kd_daemon_reload).
+ * The rooms (docs/daemon.md, Architecture): server.c accepts, conn.c moves
+ * bytes, client.c keeps what each client has in flight and holds,
+ * dispatch.c turns frames into requests and answers the immediate methods,
+ * engine.c runs batches, exec.c does each slot-ordered method's steps.
+ * daemon.c wires them together (the transport's handlers, the accept
+ * callback, the engine's reports) and keeps the lifecycle: init (config,
+ * backend, pool, layers) -> listen -> run -> drain (SIGTERM/SIGINT: stop
+ * accepting, finish admitted work, goodbye, exit 0) or fatal (device
+ * failure: answer everything DEVICE_FAILED, exit non-zero); SIGHUP reloads
+ * the configuration (kd_daemon_reload); the watchdog, metrics and
+ * housekeeping timers.
  */
 #ifndef KDAD_DAEMON_H
 #define KDAD_DAEMON_H
@@ -33,18 +30,17 @@
 #include <uv.h>
 
 #include "backend.h"
+#include "client.h"
 #include "config.h"
 #include "conn.h"
-#include "hold.h"
+#include "engine.h"
 #include "layer.h"
 #include "notify.h"
 #include "pool.h"
 #include "quota.h"
-#include "sched.h"
+#include "scheduler.h"
 #include "server.h"
 #include "stats.h"
-
-typedef struct kd_run kd_run;
 
 struct kd_daemon {
     uv_loop_t *loop;
@@ -63,25 +59,10 @@ struct kd_daemon {
     kd_stats stats;
     kd_server server;
 
-    kd_conn *conns;            /* open and closing connections */
-    uint32_t nconns;           /* open (not closing) */
-    uint32_t nrings;           /* connections on a frame ring (closing ones too), polled by spin */
+    kd_transport net;          /* the clients' connections */
+    kd_client *clients;        /* open and closing, and closed ones with requests left */
     uint64_t next_serial;
-    kd_conn *input_head;       /* connections with buffered input to process */
-    uv_idle_t input_idle;
-    uv_idle_t spin;            /* keeps the loop polling after an answer (batching.spin_us) */
-    uint64_t spin_until_ns;
-
-    kd_run *runs;              /* batches in flight */
-    kd_hold hold;              /* the next batch, held while the device is busy or gathered */
-    uint64_t last_prefill_ns;  /* uv_hrtime() of the last prefill answered, any connection */
-    uv_timer_t hold_timer;     /* its deadline, for a sleeping loop */
-    uv_check_t hold_check;     /* its deadline, on every turn of an awake loop */
-    kd_job **form_scratch;     /* kd_sched_form's output */
-    size_t form_cap;
-    bool pumping;              /* kd_daemon_pump is on the stack */
-    bool pump_again;           /* something changed while it was */
-    uint64_t progress_ns;      /* a batch last completed, or started on an idle device (watchdog) */
+    kd_engine engine;
 
     bool draining;
     uint64_t drain_deadline;
@@ -119,22 +100,6 @@ void kd_daemon_drain(kd_daemon *d);
 int kd_daemon_reload(kd_daemon *d);
 /* A device failure: answers everything, closes every connection, exits non-zero. */
 void kd_daemon_fatal(kd_daemon *d, const char *why);
-
-/* Forms and submits batches while the backend has room; runs host jobs. */
-void kd_daemon_pump(kd_daemon *d);
-/* A job left the scheduler: releases retiring slots it named that are now idle. */
-void kd_daemon_job_left(kd_daemon *d, const kd_job *job);
-/* Keeps the loop polling, and the frame rings polled, for batching.spin_us
- * (after an answer, or a ring's doorbell). */
-void kd_daemon_stay_awake(kd_daemon *d);
-/* Whether the loop polls instead of sleeping now. */
-bool kd_daemon_awake(const kd_daemon *d);
-/* Queues a connection for input processing on the next loop turn. */
-void kd_daemon_queue_input(kd_daemon *d, kd_conn *c);
-/* A connection's memory was freed (the last one ends a drain). */
-void kd_daemon_conn_freed(kd_daemon *d);
-/* Gauges for stats and metrics. */
-void kd_daemon_gauges(const kd_daemon *d, kd_stats_gauges *g);
 
 /* Frees everything once uv_run has returned. */
 void kd_daemon_destroy(kd_daemon *d);

@@ -13,117 +13,7 @@
 
 #include "daemon.h"
 #include "defaults.h"
-#include "exec.h"
 #include "log.h"
-
-/* ---------------------------------------------------------------------- */
-/* Answering                                                              */
-/* ---------------------------------------------------------------------- */
-
-/*
- * The last step of every request: it leaves the connection's unanswered
- * list first (so nothing the send may trigger, such as a close on a broken
- * pipe, can drop it twice), then its response (if any) goes out, then it is
- * freed.
- */
-static void finish(kd_req *r, kd_out *o)
-{
-    kd_conn *c = r->conn;
-    kd_daemon *d = c->d;
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        c->req_head = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    else
-        c->req_tail = r->prev;
-    r->prev = r->next = NULL;
-    c->inflight--;
-    c->inflight_bytes -= r->body_len;
-    kd_quota_refund(&d->quota, c->peer.uid, r->body_len);
-    d->stats.requests++;
-    if (o)
-        kd_conn_send(c, o);
-    if (r->exec)
-        kd_exec_release(r);
-    if (r->fd >= 0)
-        close(r->fd);
-    kp_msg_close(&r->msg);
-    free(r->body);
-    free(r);
-    kd_conn_update(c);
-    kd_conn_unref(c);
-}
-
-kd_out *kd_req_frame(kd_req *r)
-{
-    kd_out *o = kd_out_new(r->conn);
-    if (!o) {
-        kp_error e;
-        kp_fail(&e, KP_E_NO_MEMORY, "no memory for the response");
-        kd_req_fail(r, &e);
-    }
-    return o;
-}
-
-void kd_req_reply_empty(kd_req *r)
-{
-    kp_error e;
-    kd_out *o = kd_req_frame(r);
-    if (o)
-        kd_req_reply(r, o, kp_empty_result_encode(&o->w, r->id, &e), &e);
-}
-
-void kd_req_reply(kd_req *r, kd_out *o, int encode_rc, const kp_error *encode_err)
-{
-    if (encode_rc != KP_OK) {
-        KD_ERROR("conn %llu: encoding the %s response failed: %s",
-                 (unsigned long long)r->conn->serial, kp_method_name(r->method),
-                 encode_err->message);
-        kd_out_free(o);
-        kp_error e;
-        kp_fail(&e, KP_E_INTERNAL, "encoding the response failed: %s", encode_err->message);
-        kd_req_fail(r, &e);
-        return;
-    }
-    if (r->method == KP_METHOD_PREFILL)
-        kd_stats_latency(&r->conn->d->stats, (uv_hrtime() - r->arrival_ns) / 1000);
-    finish(r, o);
-}
-
-void kd_req_fail(kd_req *r, const kp_error *e)
-{
-    kd_conn *c = r->conn;
-    kd_stats_error(&c->d->stats, e->code);
-    KD_DEBUG("conn %llu: request %u (%s): %s: %s", (unsigned long long)c->serial, r->id,
-             r->msg.name ? r->msg.name : "?", kp_code_name(e->code), e->message);
-    kd_out *o = kd_out_new(c);
-    kp_error enc;
-    if (o && kp_error_response_encode(&o->w, r->id, e, &enc) != KP_OK) {
-        kd_out_free(o);
-        o = NULL;
-    }
-    bool closes = kp_code_closes(e->code);
-    kd_conn_ref(c);
-    finish(r, o);
-    if (closes)
-        kd_conn_close(c, e->code == KP_E_UNSUPPORTED_VERSION ? KD_DISC_VERSION : KD_DISC_PROTOCOL,
-                      e);
-    kd_conn_unref(c);
-}
-
-void kd_req_drop(kd_req *r)
-{
-    if (r->releasing)
-        r->releasing->gone = NULL;
-    if (r->job.state == KD_JOB_QUEUED) {
-        kd_daemon *d = r->conn->d;
-        kd_sched_cancel(&d->sched, &r->job);
-        kd_daemon_job_left(d, &r->job);
-    }
-    finish(r, NULL);
-}
 
 static void fail_with(kd_req *r, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -154,7 +44,7 @@ static uint32_t transports(const kd_daemon *d)
 
 static void do_hello(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kd_daemon *d = c->d;
     kp_hello_params p;
     kp_hello_result res;
@@ -172,7 +62,7 @@ static void do_hello(kd_req *r)
     if (!c->hello_done) {
         c->session = d->session;
         c->hello_done = true;
-        kp_reader_set_max_frame(&c->reader, c->session.limits.max_frame_bytes);
+        kd_conn_set_max_frame(c->conn, c->session.limits.max_frame_bytes);
     }
     kd_backend_info *bi = &d->backend->info;
     memset(&res, 0, sizeof(res));
@@ -196,9 +86,9 @@ static void do_hello(kd_req *r)
 
 static void do_health(kd_req *r)
 {
-    kd_daemon *d = r->conn->d;
+    kd_daemon *d = r->client->d;
     kp_error e;
-    if (kp_health_params_decode(&r->msg, &r->conn->session, &e) != KP_OK) {
+    if (kp_health_params_decode(&r->msg, &r->client->session, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
@@ -215,10 +105,10 @@ static void do_health(kd_req *r)
 
 static void do_stats(kd_req *r)
 {
-    kd_daemon *d = r->conn->d;
+    kd_daemon *d = r->client->d;
     kp_error e;
     uint32_t flags;
-    if (kp_stats_params_decode2(&r->msg, &r->conn->session, &flags, &e) != KP_OK) {
+    if (kp_stats_params_decode2(&r->msg, &r->client->session, &flags, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
@@ -226,8 +116,13 @@ static void do_stats(kd_req *r)
     kd_stats_view v;
     kp_stats_result res;
     uint64_t now = uv_hrtime();
-    kd_daemon_gauges(d, &g);
+    kd_dispatch_gauges(d, &g);
     kd_stats_result(&d->stats, &g, now, &v, &res);
+    uid_t uid = r->client->peer.uid;
+    res.has_uid = true;
+    res.uid = uid;
+    res.uid_layers = kd_layers_of_uid(&d->layers, uid);
+    res.uid_slots = kd_pool_uid_holds(&d->pool, uid);
     char *text = NULL;
     if (flags & KP_STATS_PROMETHEUS) {
         /* The same rendering as the metrics file, from the same counters. */
@@ -245,15 +140,15 @@ static void do_stats(kd_req *r)
 
 static void do_layer_register(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kd_daemon *d = c->d;
     kp_layer_register_params p;
     kp_layer_register_result res;
     kp_error e;
+    kd_layer_quota q = {c->session.limits.max_layers, c->session.limits.max_layers_per_uid};
     if (kp_layer_register_params_decode(&r->msg, &c->session, &p, &e) != KP_OK ||
         kd_layers_register(&d->layers, p.name, p.A_log.data, p.dt_bias.data, p.lower_bound,
-                           p.scale, KP_LAYER_SOURCE_CLIENT, c->peer.uid,
-                           c->session.limits.max_layers, &res.created, &e) != KP_OK) {
+                           p.scale, c->peer.uid, &q, &res.created, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
@@ -266,9 +161,9 @@ static void do_layer_register(kd_req *r)
 
 static void do_layer_list(kd_req *r)
 {
-    kd_daemon *d = r->conn->d;
+    kd_daemon *d = r->client->d;
     kp_error e;
-    if (kp_layer_list_params_decode(&r->msg, &r->conn->session, &e) != KP_OK) {
+    if (kp_layer_list_params_decode(&r->msg, &r->client->session, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
@@ -277,11 +172,13 @@ static void do_layer_list(kd_req *r)
         fail_with(r, KP_E_NO_MEMORY, "no memory to list the layers");
         return;
     }
+    uint32_t n = 0;
     for (uint32_t i = 0; i < d->layers.n; i++) {
         const kd_layer *l = d->layers.v[i];
-        info[i] = (kp_layer_info){l->name, l->host.lower_bound, l->host.scale, l->source};
+        if (kd_layer_visible(l, r->client->peer.uid)) /* another uid's names are its own */
+            info[n++] = (kp_layer_info){l->name, l->host.lower_bound, l->host.scale, l->source};
     }
-    kp_layer_list_result res = {info, d->layers.n};
+    kp_layer_list_result res = {info, n};
     kd_out *o = kd_req_frame(r);
     if (o)
         kd_req_reply(r, o, kp_layer_list_result_encode(&o->w, r->id, &res, &e), &e);
@@ -290,21 +187,23 @@ static void do_layer_list(kd_req *r)
 
 static void do_layer_drop(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kp_layer_drop_params p;
     kp_error e;
+    bool removed;
     if (kp_layer_drop_params_decode(&r->msg, &c->session, &p, &e) != KP_OK ||
-        kd_layers_drop(&c->d->layers, p.name, c->peer.uid, &e) != KP_OK) {
+        kd_layers_drop(&c->d->layers, p.name, c->peer.uid, &removed, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
-    KD_INFO("layer %s: dropped by uid %u", p.name, (unsigned)c->peer.uid);
+    if (removed)
+        KD_INFO("layer %s: dropped by uid %u", p.name, (unsigned)c->peer.uid);
     kd_req_reply_empty(r);
 }
 
 static void do_slot_alloc(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kd_daemon *d = c->d;
     kp_slot_alloc_params p;
     kp_error e;
@@ -317,8 +216,8 @@ static void do_slot_alloc(kd_req *r)
         fail_with(r, KP_E_NO_MEMORY, "no memory for %u handles", p.count);
         return;
     }
-    if (kd_pool_alloc(&d->pool, kd_conn_owner(c), c->session.limits.max_slots_per_client,
-                      p.count, p.zero, handles, &e) != KP_OK) {
+    if (kd_pool_alloc(&d->pool, kd_client_owner(c), c->peer.uid, &c->session.limits, p.count,
+                      p.zero, handles, &e) != KP_OK) {
         free(handles);
         kd_req_fail(r, &e);
         return;
@@ -332,11 +231,11 @@ static void do_slot_alloc(kd_req *r)
 
 static void do_slot_info(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kd_daemon *d = c->d;
     kp_slot_info_params p;
     kp_error e;
-    uint64_t owner = kd_conn_owner(c);
+    uint64_t owner = kd_client_owner(c);
     if (kp_slot_info_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
@@ -372,8 +271,9 @@ static void do_slot_info(kd_req *r)
                                  kd_pool_status(&d->pool, index),
                                  kd_sched_slot_jobs(&d->sched, index)};
     }
-    uint32_t owned = kd_pool_owned(&d->pool, owner), quota = c->session.limits.max_slots_per_client;
-    kp_slot_info_result res = {info, have, d->pool.nfree, owned < quota ? quota - owned : 0};
+    kp_slot_info_result res = {info, have, d->pool.nfree,
+                               kd_pool_quota_left(&d->pool, owner, c->peer.uid,
+                                                  &c->session.limits)};
     kd_out *o = kd_req_frame(r);
     if (o)
         kd_req_reply(r, o, kp_slot_info_result_encode(&o->w, r->id, &res, &e), &e);
@@ -391,7 +291,7 @@ static void reply_region(kd_req *r, const kd_region *reg)
 
 static void do_region_register_shm(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kd_daemon *d = c->d;
     kp_region_register_shm_params p;
     kp_error e;
@@ -423,7 +323,7 @@ static void do_region_register_shm(kd_req *r)
 
 static void do_region_register_cuda(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kd_daemon *d = c->d;
     kp_region_register_cuda_params p;
     kp_error e;
@@ -458,12 +358,21 @@ static void region_gone(void *arg)
 {
     kd_req *r = arg;
     r->releasing = NULL;
+    r->release = NULL;
     kd_req_reply_empty(r);
+}
+
+/* A region.release dropped before the memory went: nobody waits any more. */
+static void forget_release(kd_req *r)
+{
+    if (r->releasing)
+        r->releasing->gone = NULL;
+    r->releasing = NULL;
 }
 
 static void do_region_release(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kp_region_release_params p;
     kp_error e;
     if (kp_region_release_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
@@ -484,12 +393,13 @@ static void do_region_release(kd_req *r)
         return;
     }
     r->releasing = reg;
+    r->release = forget_release;
     kd_region_release(&c->regions, reg, region_gone, r);
 }
 
 static void do_ring_attach(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kp_ring_attach_params p;
     kp_error e;
     if (kp_ring_attach_params_decode(&r->msg, &c->session, &p, &e) != KP_OK) {
@@ -502,11 +412,20 @@ static void do_ring_attach(kd_req *r)
                   "connection", p.region);
         return;
     }
-    if (kp_ring_check_size(p.size, reg->size, &e) != KP_OK ||
-        kd_conn_attach_ring(c, reg, p.size, &e) != KP_OK) {
+    int rc = c->inflight != 1 ? kp_fail(&e, KP_E_INVALID_PARAMS, "ring.attach must be the only "
+                                        "request in flight, with nothing sent after it until "
+                                        "its answer")
+                              : kp_ring_check_size(p.size, reg->size, &e);
+    if (rc == KP_OK && c->ring_region)
+        rc = kp_fail(&e, KP_E_INVALID_PARAMS, "this connection has a frame ring already");
+    if (rc == KP_OK)
+        rc = kd_conn_attach_ring(c->conn, reg->host, p.size, &e);
+    if (rc != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
+    kd_region_ref(reg);
+    c->ring_region = reg;
     KD_DEBUG("conn %llu: frames move to a ring of 2 x %llu bytes in region %u",
              (unsigned long long)c->serial, (unsigned long long)p.size, reg->id);
     kd_req_reply_empty(r);
@@ -516,19 +435,9 @@ static void do_ring_attach(kd_req *r)
 /* Frames                                                                 */
 /* ---------------------------------------------------------------------- */
 
-static bool id_in_flight(const kd_conn *c, uint32_t id)
-{
-    /* Linear: a connection holds at most max_inflight_requests requests. */
-    for (const kd_req *q = c->req_head; q; q = q->next) {
-        if (q->id == id)
-            return true;
-    }
-    return false;
-}
-
 static void route(kd_req *r)
 {
-    kd_conn *c = r->conn;
+    kd_client *c = r->client;
     kd_daemon *d = c->d;
     kp_method m = r->method;
     if (m == KP_METHOD_UNKNOWN) {
@@ -563,7 +472,7 @@ static void route(kd_req *r)
     case KP_METHOD_SLOT_FORK:
     case KP_METHOD_SLOT_READ:
     case KP_METHOD_SLOT_WRITE:
-        kd_exec_admit(r);
+        kd_engine_admit(&d->engine, r);
         break;
     default:
         fail_with(r, KP_E_INTERNAL, "method %s has no handler", r->msg.name);
@@ -571,22 +480,15 @@ static void route(kd_req *r)
     }
 }
 
-void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_ns)
+void kd_dispatch_frame(kd_client *c, uint8_t *body, size_t len, uint64_t arrival_ns)
 {
     kp_error e;
-    kd_req *r = calloc(1, sizeof(*r));
+    kd_req *r = kd_req_new(c, body, len, arrival_ns);
     if (!r) {
-        free(body);
         kp_fail(&e, KP_E_NO_MEMORY, "no memory for a request; the connection cannot continue");
-        kd_conn_close(c, KD_DISC_IO_ERROR, &e);
+        kd_conn_close(c->conn, KD_DISC_IO_ERROR, &e);
         return;
     }
-    r->conn = c;
-    r->body = body;
-    r->body_len = len;
-    r->arrival_ns = arrival_ns;
-    r->fd = -1;
-    kp_msg_init(&r->msg);
     uint64_t cap = c->hello_done ? c->session.limits.max_frame_bytes : KP_HELLO_MAX_FRAME_BYTES;
     /* Prefills, the hot path, are read in one pass; anything that reader
      * declines (other methods, errors) is decoded the general way. */
@@ -598,40 +500,25 @@ void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_n
                      (int)r->msg.kind);
     /* The descriptor belongs to this frame whatever its params say. */
     if (rc == KP_OK && kp_msg_takes_fd(&r->msg))
-        r->fd = kd_conn_take_fd(c);
-    if (rc == KP_OK && id_in_flight(c, r->msg.id))
+        r->fd = kd_conn_take_fd(c->conn);
+    if (rc == KP_OK && kd_client_id_in_flight(c, r->msg.id))
         rc = kp_fail(&e, KP_E_PROTOCOL, "id %u is already in flight on this connection",
                      r->msg.id);
     /* Without a request id to answer on (or with a duplicate one), a bad
      * frame ends the connection with a goodbye alone. */
     if (rc != KP_OK && (!r->msg.has_id || r->msg.kind != KP_MSG_REQUEST ||
-                        id_in_flight(c, r->msg.id))) {
+                        kd_client_id_in_flight(c, r->msg.id))) {
         kd_stats_error(&c->d->stats, e.code);
-        if (r->fd >= 0)
-            close(r->fd);
-        kp_msg_close(&r->msg);
-        free(body);
-        free(r);
-        kd_conn_close(c, e.code == KP_E_FRAME_TOO_LARGE ? KD_DISC_FRAME_TOO_LARGE
-                                                        : KD_DISC_PROTOCOL, &e);
+        kd_req_discard(r);
+        kd_conn_close(c->conn, e.code == KP_E_FRAME_TOO_LARGE ? KD_DISC_FRAME_TOO_LARGE
+                                                              : KD_DISC_PROTOCOL, &e);
         return;
     }
     r->id = r->msg.id;
     r->method = r->msg.method;
-    r->prev = c->req_tail;
-    if (c->req_tail)
-        c->req_tail->next = r;
-    else
-        c->req_head = r;
-    c->req_tail = r;
-    c->inflight++;
-    c->inflight_bytes += len;
-    kd_conn_ref(c);
-    /* The frame counts toward its uid's unanswered bytes in every case
-     * (finish() gives them back); a decoding error takes precedence. */
+    /* A decoding error takes precedence over the quota's. */
     kp_error qe;
-    if (kd_quota_charge(&c->d->quota, c->peer.uid, len, c->d->cfg.max_inflight_bytes_per_uid,
-                        c->d->cfg.max_inflight_bytes_total, &qe) != KP_OK && rc == KP_OK) {
+    if (kd_req_track(r, &qe) != KP_OK && rc == KP_OK) {
         rc = qe.code;
         e = qe;
     }
@@ -639,4 +526,20 @@ void kd_dispatch_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_n
         kd_req_fail(r, &e); /* e.g. params not a map: answered on the id, then closed */
     else
         route(r);
+}
+
+void kd_dispatch_gauges(const kd_daemon *d, kd_stats_gauges *g)
+{
+    memset(g, 0, sizeof(*g));
+    g->slots_total = d->pool.nslots;
+    g->slots_used = kd_pool_used(&d->pool);
+    g->slots_lost = d->pool.nlost;
+    g->layers = d->layers.n;
+    for (const kd_client *c = d->clients; c; c = c->next) {
+        g->regions += c->regions.count;
+        g->rings += c->conn && c->conn->ring_on && !c->closing;
+    }
+    g->queued = d->sched.queued;
+    g->running = d->backend->inflight;
+    g->ring_doorbells = d->net.ring_doorbells;
 }

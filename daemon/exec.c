@@ -52,8 +52,10 @@ struct kd_exec {
 
 static kd_daemon *daemon_of(const kd_req *r)
 {
-    return r->conn->d;
+    return r->client->d;
 }
+
+static void exec_release(kd_req *r);
 
 /* ---------------------------------------------------------------------- */
 /* Admission helpers                                                      */
@@ -82,7 +84,7 @@ static const char *field_text(field_at f, char buf[KP_FIELD_NAME_MAX])
 static int resolve(kd_req *r, uint64_t handle, field_at f, uint32_t *index, kp_error *e)
 {
     kd_pool *pool = &daemon_of(r)->pool;
-    uint64_t owner = kd_conn_owner(r->conn);
+    uint64_t owner = kd_client_owner(r->client);
     if (kd_pool_resolve(pool, handle, owner, NULL, index, NULL) == KP_OK)
         return KP_OK;
     char buf[KP_FIELD_NAME_MAX];
@@ -105,7 +107,7 @@ static int use_ref(kd_req *r, const kp_ref *ref, field_at f, bool output, kd_buf
         x->bytes_in[KP_TRANSPORT_ID_INLINE] += ref->nbytes;
         return KP_OK;
     }
-    kd_region *reg = kd_region_find(&r->conn->regions, ref->region);
+    kd_region *reg = kd_region_find(&r->client->regions, ref->region);
     if (!reg || kp_ref_check_bounds(ref, reg->size, NULL, NULL) != KP_OK) {
         char buf[KP_FIELD_NAME_MAX];
         const char *field = field_text(f, buf);
@@ -176,7 +178,7 @@ static uint32_t *alloc_slots(kd_exec *x, uint32_t n)
 /* Hands the job to the scheduler (it runs no earlier than the next pump). */
 static int enqueue(kd_req *r, uint32_t nslots, bool host, kd_job_cost cost, kp_error *e)
 {
-    r->job = (kd_job){.group = &r->conn->group, .slots = r->exec->slots, .nslots = nslots,
+    r->job = (kd_job){.group = &r->client->group, .slots = r->exec->slots, .nslots = nslots,
                       .cost = cost, .host = host};
     if (kd_sched_push(&daemon_of(r)->sched, &r->job) != KP_OK)
         return kp_fail(e, KP_E_NO_MEMORY, "no memory to queue the request");
@@ -195,19 +197,16 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
     int rc;
     if (r->prefill_read)
         *p = r->prefill;
-    else if ((rc = kp_prefill_params_decode(&r->msg, &r->conn->session, p, e)))
+    else if ((rc = kp_prefill_params_decode(&r->msg, &r->client->session, p, e)))
         return rc;
-    kd_layer *layer = kd_layers_find(&d->layers, p->layer);
-    if (!layer)
-        return kp_fail(e, KP_E_UNKNOWN_LAYER, "layer: no layer \"%s\"", p->layer);
-    kd_layer_ref(layer);
-    x->layer = layer;
+    if ((rc = kd_layers_acquire(&d->layers, p->layer, r->client->peer.uid, &x->layer, e)))
+        return rc;
     x->prefill.buf = calloc(p->nseqs, sizeof(*x->prefill.buf));
     x->prefill.out = calloc(p->nseqs, sizeof(*x->prefill.out));
     x->prefill.pos = calloc(p->nseqs, sizeof(*x->prefill.pos));
     if (!alloc_slots(x, p->nseqs) || !x->prefill.buf || !x->prefill.out || !x->prefill.pos)
         return kp_fail(e, KP_E_NO_MEMORY, "no memory for a prefill of %u sequences", p->nseqs);
-    const uint32_t heads = r->conn->session.geometry.heads;
+    const uint32_t heads = r->client->session.geometry.heads;
     *cost = (kd_job_cost){0, p->nseqs, 0, 0};
     for (uint32_t i = 0; i < p->nseqs; i++) {
         const kp_prefill_seq *q = &p->seqs[i];
@@ -239,8 +238,8 @@ static int admit_slot_list(kd_req *r, uint32_t *nslots, kp_error *e)
 {
     kp_slot_list p;
     int rc = r->method == KP_METHOD_SLOT_FREE
-                 ? kp_slot_free_params_decode(&r->msg, &r->conn->session, &p, e)
-                 : kp_slot_reset_params_decode(&r->msg, &r->conn->session, &p, e);
+                 ? kp_slot_free_params_decode(&r->msg, &r->client->session, &p, e)
+                 : kp_slot_reset_params_decode(&r->msg, &r->client->session, &p, e);
     if (rc)
         return rc;
     if (!alloc_slots(r->exec, p.nslots))
@@ -259,7 +258,7 @@ static int admit_fork(kd_req *r, uint32_t *nslots, kp_error *e)
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
     kp_slot_fork_params p;
-    int rc = kp_slot_fork_params_decode(&r->msg, &r->conn->session, &p, e);
+    int rc = kp_slot_fork_params_decode(&r->msg, &r->client->session, &p, e);
     if (rc)
         return rc;
     if (!alloc_slots(x, 2))
@@ -271,9 +270,8 @@ static int admit_fork(kd_req *r, uint32_t *nslots, kp_error *e)
             return rc;
     } else {
         uint64_t handle;
-        if ((rc = kd_pool_alloc(&d->pool, kd_conn_owner(r->conn),
-                                r->conn->session.limits.max_slots_per_client, 1, false, &handle,
-                                e)))
+        if ((rc = kd_pool_alloc(&d->pool, kd_client_owner(r->client), r->client->peer.uid,
+                                &r->client->session.limits, 1, false, &handle, e)))
             return rc;
         x->slots[1] = kp_slot_index(handle);
         x->fork.allocated = true;
@@ -286,7 +284,7 @@ static int admit_read(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *
 {
     kd_exec *x = r->exec;
     kp_slot_read_params p;
-    int rc = kp_slot_read_params_decode(&r->msg, &r->conn->session, &p, e);
+    int rc = kp_slot_read_params_decode(&r->msg, &r->client->session, &p, e);
     if (rc)
         return rc;
     if (!alloc_slots(x, 1))
@@ -294,7 +292,7 @@ static int admit_read(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *
     if ((rc = resolve(r, p.slot, FIELD("slot"), &x->slots[0], e)))
         return rc;
     x->read.dtype = p.dtype;
-    uint64_t bytes = kp_state_bytes(r->conn->session.geometry.heads, p.dtype);
+    uint64_t bytes = kp_state_bytes(r->client->session.geometry.heads, p.dtype);
     if (p.out.kind == KP_REF_REGION) {
         if ((rc = use_ref(r, &p.out, FIELD("out"), true, &x->read.out, e)) ||
             (rc = check_convertible(r, x->read.out, p.dtype, "out", e)))
@@ -313,7 +311,7 @@ static int admit_write(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error 
 {
     kd_exec *x = r->exec;
     kp_slot_write_params p;
-    int rc = kp_slot_write_params_decode(&r->msg, &r->conn->session, &p, e);
+    int rc = kp_slot_write_params_decode(&r->msg, &r->client->session, &p, e);
     if (rc)
         return rc;
     if (!alloc_slots(x, 1))
@@ -330,47 +328,35 @@ static int admit_write(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error 
     return KP_OK;
 }
 
-void kd_exec_admit(kd_req *r)
+int kd_exec_admit(kd_req *r, kp_error *e)
 {
     kd_daemon *d = daemon_of(r);
-    kp_error e;
     kd_job_cost cost = {0, 1, 0, 0};
     uint32_t nslots = 0;
     int rc;
-    if (d->sched.queued >= d->cfg.max_queued_requests) {
-        kp_fail(&e, KP_E_BUSY, "%u requests are waiting for the device "
-                "(batching.max_queued_requests); retry later", d->sched.queued);
-        kd_req_fail(r, &e);
-        return;
-    }
     r->exec = calloc(1, sizeof(*r->exec));
-    if (!r->exec) {
-        kp_fail(&e, KP_E_NO_MEMORY, "no memory for the request");
-        kd_req_fail(r, &e);
-        return;
-    }
+    if (!r->exec)
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory for the request");
+    r->release = exec_release;
     switch (r->method) {
-    case KP_METHOD_PREFILL: rc = admit_prefill(r, &cost, &nslots, &e); break;
+    case KP_METHOD_PREFILL: rc = admit_prefill(r, &cost, &nslots, e); break;
     case KP_METHOD_SLOT_FREE:
-    case KP_METHOD_SLOT_RESET: rc = admit_slot_list(r, &nslots, &e); break;
-    case KP_METHOD_SLOT_FORK: rc = admit_fork(r, &nslots, &e); break;
-    case KP_METHOD_SLOT_READ: rc = admit_read(r, &cost, &nslots, &e); break;
-    case KP_METHOD_SLOT_WRITE: rc = admit_write(r, &cost, &nslots, &e); break;
-    default: rc = kp_fail(&e, KP_E_INTERNAL, "%s is not a slot-ordered method", r->msg.name);
+    case KP_METHOD_SLOT_RESET: rc = admit_slot_list(r, &nslots, e); break;
+    case KP_METHOD_SLOT_FORK: rc = admit_fork(r, &nslots, e); break;
+    case KP_METHOD_SLOT_READ: rc = admit_read(r, &cost, &nslots, e); break;
+    case KP_METHOD_SLOT_WRITE: rc = admit_write(r, &cost, &nslots, e); break;
+    default: rc = kp_fail(e, KP_E_INTERNAL, "%s is not a slot-ordered method", r->msg.name);
     }
     bool host = r->method == KP_METHOD_SLOT_FREE || r->method == KP_METHOD_SLOT_RESET;
-    if (rc || (rc = enqueue(r, nslots, host, cost, &e))) {
-        kd_req_fail(r, &e);
-        return;
-    }
+    if (rc || (rc = enqueue(r, nslots, host, cost, e)))
+        return rc;
     if (r->method == KP_METHOD_SLOT_FREE) {
         /* Later requests naming these handles fail at once (STALE_SLOT);
          * earlier ones still run; the slots return to the pool after them. */
         for (uint32_t i = 0; i < nslots; i++)
             kd_pool_retire(&d->pool, r->exec->slots[i]);
     }
-    /* May run the request at once (and free r). */
-    kd_daemon_pump(d);
+    return KP_OK;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -384,7 +370,7 @@ static void job_done(kd_req *r)
         return;
     kd_daemon *d = daemon_of(r);
     kd_sched_done(&d->sched, &r->job);
-    kd_daemon_job_left(d, &r->job);
+    kd_job_left(d, &r->job);
 }
 
 static void fail(kd_req *r, const kp_error *e)
@@ -408,9 +394,9 @@ static void add_stats(kd_req *r)
     }
 }
 
-static kd_slot_op *add_op(kd_run *run)
+static kd_slot_op *add_op(kd_batch *b)
 {
-    return &run->batch.ops[run->batch.nops++];
+    return &b->ops[b->nops++];
 }
 
 static void *alloc_out(uint64_t bytes)
@@ -431,12 +417,12 @@ static void free_outputs(kd_exec *x)
     }
 }
 
-static kd_prepare prepare_prefill(kd_req *r, kd_run *run)
+static kd_prepare prepare_prefill(kd_req *r, kd_batch *b)
 {
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
     const kp_prefill_params *p = &x->prefill.p;
-    const uint32_t heads = r->conn->session.geometry.heads;
+    const uint32_t heads = r->client->session.geometry.heads;
     kp_error e;
     /* Every sequence is checked before anything happens: all or nothing. */
     for (uint32_t i = 0; i < p->nseqs; i++) {
@@ -456,7 +442,14 @@ static kd_prepare prepare_prefill(kd_req *r, kd_run *run)
             fail(r, &e);
             return KD_PREPARE_FAILED;
         }
-        x->prefill.pos[i] = (q->fresh ? 0 : s->pos) + q->len;
+        if (kd_pool_next_pos(&d->pool, x->slots[i], q->fresh, q->len, NULL, &x->prefill.pos[i],
+                             NULL) != KP_OK) {
+            char field[KP_FIELD_NAME_MAX];
+            kd_pool_next_pos(&d->pool, x->slots[i], q->fresh, q->len,
+                             field_text(SEQ_FIELD(i, "slot"), field), &x->prefill.pos[i], &e);
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
         if (q->len > 0 && q->out.kind == KP_REF_ABSENT) {
             uint64_t bytes = kp_token_tensor_bytes(q->len, heads);
             if (!(x->prefill.out[i] = alloc_out(bytes))) {
@@ -475,7 +468,7 @@ static kd_prepare prepare_prefill(kd_req *r, kd_run *run)
         if (q->len == 0)
             continue;
         const kd_slot *s = kd_pool_slot(&d->pool, x->slots[i]);
-        kd_batch_seq *bs = &run->batch.seqs[run->batch.nseqs++];
+        kd_batch_seq *bs = &b->seqs[b->nseqs++];
         memset(bs, 0, sizeof(*bs));
         for (int t = 0; t < 5; t++)
             bs->in[t] = x->prefill.buf[i][t];
@@ -498,7 +491,7 @@ static void finish_prefill(kd_req *r, const kd_batch *b)
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
     const kp_prefill_params *p = &x->prefill.p;
-    const uint32_t heads = r->conn->session.geometry.heads;
+    const uint32_t heads = r->client->session.geometry.heads;
     kp_error e;
     uint64_t tokens = 0;
     for (uint32_t i = 0; i < p->nseqs; i++) {
@@ -511,7 +504,7 @@ static void finish_prefill(kd_req *r, const kd_batch *b)
     }
     d->stats.seqs += p->nseqs;
     d->stats.tokens += tokens;
-    r->conn->last_prefill_ns = d->last_prefill_ns = uv_hrtime();
+    r->client->last_prefill_ns = d->engine.last_prefill_ns = uv_hrtime();
     add_stats(r);
     job_done(r);
 
@@ -557,7 +550,7 @@ static void finish_prefill(kd_req *r, const kd_batch *b)
 /* Slot operations                                                        */
 /* ---------------------------------------------------------------------- */
 
-static kd_prepare prepare_fork(kd_req *r, kd_run *run)
+static kd_prepare prepare_fork(kd_req *r, kd_batch *b)
 {
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
@@ -573,7 +566,7 @@ static kd_prepare prepare_fork(kd_req *r, kd_run *run)
         kd_exec_finish(r, NULL);
         return KD_PREPARE_DONE;
     }
-    *add_op(run) = (kd_slot_op){.kind = KD_OP_COPY, .slot = dst, .src = src};
+    *add_op(b) = (kd_slot_op){.kind = KD_OP_COPY, .slot = dst, .src = src};
     return KD_PREPARE_BATCHED;
 }
 
@@ -592,7 +585,7 @@ static void finish_fork(kd_req *r)
         kd_req_reply(r, o, kp_slot_fork_result_encode(&o->w, r->id, &res, &e), &e);
 }
 
-static kd_prepare prepare_read(kd_req *r, kd_run *run)
+static kd_prepare prepare_read(kd_req *r, kd_batch *b)
 {
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
@@ -605,7 +598,7 @@ static kd_prepare prepare_read(kd_req *r, kd_run *run)
     const kd_slot *s = kd_pool_slot(&d->pool, slot);
     x->read.pos = s->pos;
     if (!x->read.out.host && !x->read.out.dev) {
-        uint64_t bytes = kp_state_bytes(r->conn->session.geometry.heads, x->read.dtype);
+        uint64_t bytes = kp_state_bytes(r->client->session.geometry.heads, x->read.dtype);
         if (!(x->read.inline_out = alloc_out(bytes))) {
             kp_fail(&e, KP_E_NO_MEMORY, "no memory for %llu bytes of state",
                     (unsigned long long)bytes);
@@ -616,8 +609,8 @@ static kd_prepare prepare_read(kd_req *r, kd_run *run)
     }
     x->read.zeroes = s->zero;
     if (s->zero) /* make the lazy zero state real first: the batch runs ops in order */
-        *add_op(run) = (kd_slot_op){.kind = KD_OP_ZERO, .slot = slot};
-    *add_op(run) = (kd_slot_op){.kind = KD_OP_READ, .slot = slot,
+        *add_op(b) = (kd_slot_op){.kind = KD_OP_ZERO, .slot = slot};
+    *add_op(b) = (kd_slot_op){.kind = KD_OP_READ, .slot = slot,
                                 .dtype = (kda_dtype)x->read.dtype, .buf = x->read.out};
     return KD_PREPARE_BATCHED;
 }
@@ -634,7 +627,7 @@ static void finish_read(kd_req *r)
     kp_slot_read_result res = {x->read.pos, x->read.dtype, {KP_REF_ABSENT, NULL, 0, 0, 0}};
     if (x->read.inline_out)
         res.state = kp_ref_inline(x->read.inline_out,
-                                  kp_state_bytes(r->conn->session.geometry.heads, x->read.dtype));
+                                  kp_state_bytes(r->client->session.geometry.heads, x->read.dtype));
     kd_out *o = kd_req_frame(r);
     if (!o)
         return;
@@ -648,10 +641,10 @@ static void finish_read(kd_req *r)
     kd_req_reply(r, o, rc, &e);
 }
 
-static kd_prepare prepare_write(kd_req *r, kd_run *run)
+static kd_prepare prepare_write(kd_req *r, kd_batch *b)
 {
     kd_exec *x = r->exec;
-    *add_op(run) = (kd_slot_op){.kind = KD_OP_WRITE, .slot = x->slots[0],
+    *add_op(b) = (kd_slot_op){.kind = KD_OP_WRITE, .slot = x->slots[0],
                                 .dtype = (kda_dtype)x->write.dtype, .buf = x->write.in};
     return KD_PREPARE_BATCHED;
 }
@@ -660,18 +653,14 @@ static kd_prepare prepare_write(kd_req *r, kd_run *run)
 /* Entry points                                                           */
 /* ---------------------------------------------------------------------- */
 
-kd_prepare kd_exec_prepare(kd_req *r, kd_run *run)
+kd_prepare kd_exec_prepare(kd_req *r, kd_batch *b)
 {
-    kd_prepare p;
     switch (r->method) {
-    case KP_METHOD_PREFILL: p = prepare_prefill(r, run); break;
-    case KP_METHOD_SLOT_FORK: p = prepare_fork(r, run); break;
-    case KP_METHOD_SLOT_READ: p = prepare_read(r, run); break;
-    default: p = prepare_write(r, run); break;
+    case KP_METHOD_PREFILL: return prepare_prefill(r, b);
+    case KP_METHOD_SLOT_FORK: return prepare_fork(r, b);
+    case KP_METHOD_SLOT_READ: return prepare_read(r, b);
+    default: return prepare_write(r, b);
     }
-    if (p == KD_PREPARE_BATCHED)
-        run->reqs[run->nreqs++] = r;
-    return p;
 }
 
 void kd_exec_finish(kd_req *r, const kd_batch *b)
@@ -715,17 +704,8 @@ void kd_exec_host(kd_req *r)
     reply_empty(r);
 }
 
-void kd_exec_abandon(kd_req *r, const kp_error *e)
-{
-    if (r->job.state == KD_JOB_QUEUED) {
-        kd_daemon *d = daemon_of(r);
-        kd_sched_cancel(&d->sched, &r->job);
-        kd_daemon_job_left(d, &r->job);
-    }
-    kd_req_fail(r, e);
-}
-
-void kd_exec_release(kd_req *r)
+/* The request's release hook: what admission took goes back. */
+static void exec_release(kd_req *r)
 {
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
@@ -745,8 +725,7 @@ void kd_exec_release(kd_req *r)
         if (x->fork.allocated) { /* a destination the client never saw */
             uint32_t dst = x->slots[1];
             kd_pool_retire(&d->pool, dst);
-            if (kd_sched_slot_jobs(&d->sched, dst) == 0)
-                kd_pool_release(&d->pool, dst);
+            kd_slot_settle(d, dst);
         }
         break;
     case KP_METHOD_SLOT_READ:
@@ -758,4 +737,5 @@ void kd_exec_release(kd_req *r)
     free(x->slots);
     free(x);
     r->exec = NULL;
+    r->release = NULL;
 }

@@ -14,6 +14,9 @@
  *   finish   (the batch is done)  pool bookkeeping and the response.
  * slot.free and slot.reset are host jobs: bookkeeping only, run as soon as
  * they head their slots' FIFOs.
+ *
+ * The engine (engine.h) calls each step; exec.c answers through client.h
+ * and calls nothing above it.
  */
 #ifndef KDAD_EXEC_H
 #define KDAD_EXEC_H
@@ -22,19 +25,12 @@
 #include <stdint.h>
 
 #include "backend.h"
-#include "dispatch.h"
+#include "client.h"
 
-/* One batch on its way through the backend, with the requests it serves. */
-typedef struct kd_run {
-    kd_batch batch;
-    kd_req **reqs;
-    uint32_t nreqs;
-    uint32_t seqs_cap, ops_cap;
-    struct kd_run *next;  /* the daemon's runs in flight */
-} kd_run;
-
-/* Admits a prefill or slot operation; on failure it is answered here. */
-void kd_exec_admit(kd_req *r);
+/* Admits a prefill or slot operation into the scheduler.  On failure
+ * (returned, with e) the caller answers r; what it took goes with the
+ * answer (r's release hook). */
+int kd_exec_admit(kd_req *r, kp_error *e);
 
 typedef enum kd_prepare {
     KD_PREPARE_BATCHED = 0, /* it added work to the batch: finish after the backend */
@@ -42,16 +38,12 @@ typedef enum kd_prepare {
     KD_PREPARE_FAILED,      /* a run-time check failed, and it was answered */
 } kd_prepare;
 
-/* Prepares a RUNNING device job for run's batch. */
-kd_prepare kd_exec_prepare(kd_req *r, kd_run *run);
-/* Answers a prepared request after its batch (any status). */
+/* Prepares a RUNNING device job for batch b (sized for it by the engine). */
+kd_prepare kd_exec_prepare(kd_req *r, kd_batch *b);
+/* Answers a prepared request after its batch (any status; NULL: it needed
+ * no device work). */
 void kd_exec_finish(kd_req *r, const kd_batch *b);
 /* Runs a host job (slot.free, slot.reset) and answers it. */
 void kd_exec_host(kd_req *r);
-/* Answers a request that never ran (drain timeout) with e. */
-void kd_exec_abandon(kd_req *r, const kp_error *e);
-/* Releases what an admitted request holds (layer, regions, a slot it
- * allocated); part of freeing the request. */
-void kd_exec_release(kd_req *r);
 
 #endif /* KDAD_EXEC_H */

@@ -38,7 +38,7 @@
  * A lone client is never awaited while its own request waits, so it never
  * waits for itself.
  *
- * Pure logic: no I/O, no clock (the caller passes the time).  daemon.c asks
+ * Pure logic: no I/O, no clock (the caller passes the time).  engine.c asks
  * before forming each batch and wakes itself at the deadline.
  */
 #ifndef KDAD_HOLD_H
@@ -47,7 +47,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "sched.h"
+#include "scheduler.h"
 
 typedef struct kd_hold_policy {
     bool enabled;                 /* batching.hold_while_busy */

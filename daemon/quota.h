@@ -7,7 +7,7 @@
  * The per-connection and per-owner quotas live with what they count: slots
  * in pool.c (limits.max_slots_per_client, per owner), regions in region.c
  * (limits.max_regions_per_client, per connection); a connection's own
- * unanswered bytes (limits.max_inflight_bytes) pause its reading in conn.c.
+ * unanswered bytes (limits.max_inflight_bytes) pause its reading (client.c).
  * The per-uid quotas bound what one user gets by opening many connections.
  *
  * A uid's entry lives while it has a connection open or bytes charged.  Few

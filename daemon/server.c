@@ -1,5 +1,5 @@
 /*
- * server.c - see server.h.
+ * server.c - see server.h.  Besides its own header it includes log.h only.
  */
 #define _GNU_SOURCE /* accept4 */
 #include "server.h"
@@ -17,14 +17,12 @@
 
 #include <systemd/sd-daemon.h>
 
-#include "conn.h"
-#include "daemon.h"
 #include "log.h"
 
 #define ACCEPTS_PER_WAKEUP 64 /* then the loop serves the connections we have */
 #define LISTEN_BACKLOG 256
 
-static void on_accept(uv_poll_t *h, int status, int events)
+static void on_readable(uv_poll_t *h, int status, int events)
 {
     kd_server *s = h->data;
     for (int i = 0; i < ACCEPTS_PER_WAKEUP; i++) {
@@ -41,13 +39,7 @@ static void on_accept(uv_poll_t *h, int status, int events)
             }
             return;
         }
-        kd_peer peer;
-        if (kd_peer_read(fd, &peer) != 0) {
-            KD_WARN("SO_PEERCRED: %s; connection dropped", strerror(errno));
-            close(fd);
-            continue;
-        }
-        kd_conn_new(s->d, fd, &peer);
+        s->on_accept(s->ctx, fd);
     }
 }
 
@@ -94,10 +86,9 @@ static int lookup_group(const char *name, gid_t *gid, char *err, size_t errlen)
     return 0;
 }
 
-static int create_socket(kd_server *s, const kd_config *cfg, char *err, size_t errlen)
+static int create_socket(kd_server *s, const kd_server_socket *sock, char *err, size_t errlen)
 {
-    char path[4096];
-    kd_config_socket_path(cfg, path, sizeof(path));
+    const char *path = sock->path;
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     if (strlen(path) >= sizeof(sa.sun_path)) {
         snprintf(err, errlen, "socket path %s is longer than %zu bytes", path,
@@ -106,7 +97,7 @@ static int create_socket(kd_server *s, const kd_config *cfg, char *err, size_t e
     }
     memcpy(sa.sun_path, path, strlen(path) + 1); /* the length was checked above */
     gid_t gid = (gid_t)-1;
-    if (cfg->socket_group[0] && lookup_group(cfg->socket_group, &gid, err, errlen))
+    if (sock->group[0] && lookup_group(sock->group, &gid, err, errlen))
         return -1;
     if (clear_stale(path, err, errlen))
         return -1;
@@ -126,15 +117,15 @@ static int create_socket(kd_server *s, const kd_config *cfg, char *err, size_t e
     }
     memcpy(s->path, sa.sun_path, sizeof(s->path));
     if ((gid != (gid_t)-1 && chown(path, (uid_t)-1, gid) != 0) ||
-        chmod(path, (mode_t)cfg->socket_mode) != 0 || listen(fd, LISTEN_BACKLOG) != 0) {
+        chmod(path, (mode_t)sock->mode) != 0 || listen(fd, LISTEN_BACKLOG) != 0) {
         snprintf(err, errlen, "setting up %s: %s", path, strerror(errno));
         close(fd);
         unlink(path);
         s->path[0] = '\0';
         return -1;
     }
-    KD_INFO("listening on %s (mode %04o%s%s)", path, cfg->socket_mode,
-            cfg->socket_group[0] ? ", group " : "", cfg->socket_group);
+    KD_INFO("listening on %s (mode %04o%s%s)", path, sock->mode, sock->group[0] ? ", group " : "",
+            sock->group);
     return fd;
 }
 
@@ -162,21 +153,23 @@ static int systemd_socket(char *err, size_t errlen)
     return fd;
 }
 
-int kd_server_listen(kd_server *s, kd_daemon *d, const kd_config *cfg, char *err, size_t errlen)
+int kd_server_listen(kd_server *s, uv_loop_t *loop, const kd_server_socket *sock,
+                     kd_accept_cb accept_cb, void *ctx, char *err, size_t errlen)
 {
     memset(s, 0, sizeof(*s));
-    s->d = d;
+    s->on_accept = accept_cb;
+    s->ctx = ctx;
     s->fd = systemd_socket(err, errlen);
     if (s->fd == -2)
         return -1;
     s->from_systemd = s->fd >= 0;
-    if (!s->from_systemd && (s->fd = create_socket(s, cfg, err, errlen)) < 0)
+    if (!s->from_systemd && (s->fd = create_socket(s, sock, err, errlen)) < 0)
         return -1;
-    int rc = uv_poll_init(d->loop, &s->poll, s->fd);
+    int rc = uv_poll_init(loop, &s->poll, s->fd);
     if (rc == 0) {
         s->poll_open = true;
         s->poll.data = s;
-        rc = uv_poll_start(&s->poll, UV_READABLE, on_accept);
+        rc = uv_poll_start(&s->poll, UV_READABLE, on_readable);
     }
     if (rc != 0) {
         snprintf(err, errlen, "polling the listening socket: %s", uv_strerror(rc));
@@ -190,7 +183,7 @@ void kd_server_tick(kd_server *s)
 {
     if (s->paused && s->poll_open) {
         s->paused = false;
-        uv_poll_start(&s->poll, UV_READABLE, on_accept);
+        uv_poll_start(&s->poll, UV_READABLE, on_readable);
     }
 }
 

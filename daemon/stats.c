@@ -91,11 +91,6 @@ static void phase_quantiles(const kd_stats *s, kd_stats_view *v)
     }
 }
 
-const char *kd_disconnect_name(kd_disconnect d)
-{
-    return (unsigned)d < KD_DISC_COUNT ? disconnect_names[d] : "unknown";
-}
-
 void kd_stats_init(kd_stats *s, uint64_t now_ns)
 {
     memset(s, 0, sizeof(*s));
@@ -175,7 +170,7 @@ void kd_stats_result(const kd_stats *s, const kd_stats_gauges *g, uint64_t now_n
     r->layers = g->layers;
     r->regions = g->regions;
     r->rings = g->rings;
-    r->ring_doorbells = s->ring_doorbells;
+    r->ring_doorbells = g->ring_doorbells;
     for (int c = 1; c < KD_ERROR_SLOTS; c++) {
         if (s->errors[c])
             v->errors[r->nerrors++] = (kp_counter){kp_code_name(-c), s->errors[c]};

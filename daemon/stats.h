@@ -9,30 +9,9 @@
 
 #include <stdint.h>
 
+#include "conn.h" /* kd_disconnect */
 #include "kdaproto.h"
 
-/* Why a connection closed (the `disconnects` counters). */
-#define KD_DISCONNECTS(X)                                                       \
-    X(PEER_CLOSED, "peer_closed")         /* the client closed or reset it */   \
-    X(PROTOCOL, "protocol")               /* a PROTOCOL error */                \
-    X(FRAME_TOO_LARGE, "frame_too_large") /* a frame over the cap */            \
-    X(VERSION, "unsupported_version")     /* hello found no common version */   \
-    X(OUTPUT_LIMIT, "output_limit")       /* unread responses over the limit */ \
-    X(PERMISSION, "permission")           /* peer not in the access lists */    \
-    X(TOO_MANY, "too_many_connections")   /* clients.max_connections reached */ \
-    X(QUOTA, "quota")                     /* its uid's connection quota reached */ \
-    X(IO_ERROR, "io_error")               /* read or write failed */            \
-    X(SHUTDOWN, "shutdown")               /* kdad drained and exits */          \
-    X(DEVICE_FAILED, "device_failed")     /* the device failed; kdad exits */
-
-typedef enum kd_disconnect {
-#define KD_DISC_ENUM(id, name) KD_DISC_##id,
-    KD_DISCONNECTS(KD_DISC_ENUM)
-#undef KD_DISC_ENUM
-    KD_DISC_COUNT
-} kd_disconnect;
-
-const char *kd_disconnect_name(kd_disconnect d);
 
 /*
  * The timing of one batch, stamped as it goes through the daemon and the
@@ -96,7 +75,6 @@ typedef struct kd_stats {
     uint64_t batches;
     uint64_t batches_held;     /* held back while the device was busy (hold.h) */
     uint64_t batches_gathered; /* held on an idle device for a fuller last wave (hold.h) */
-    uint64_t ring_doorbells;   /* rung to sleeping frame-ring clients (conn.h) */
     uint64_t seqs;
     uint64_t tokens;
     uint64_t errors[KD_ERROR_SLOTS];   /* by -code */
@@ -121,6 +99,7 @@ typedef struct kd_stats_gauges {
     uint32_t rings;    /* connections on a frame ring */
     uint32_t queued;   /* requests waiting for the device */
     uint32_t running;  /* batches on the device */
+    uint64_t ring_doorbells; /* rung to sleeping frame-ring clients so far (conn.h) */
 } kd_stats_gauges;
 
 void kd_stats_init(kd_stats *s, uint64_t now_ns);

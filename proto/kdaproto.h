@@ -87,6 +87,7 @@ extern "C" {
 #define KP_DEFAULT_MAX_INFLIGHT_REQUESTS 256u        /* unanswered requests per connection */
 #define KP_DEFAULT_MAX_INFLIGHT_BYTES (1ull << 30)   /* frame bytes held for unanswered requests */
 #define KP_DEFAULT_MAX_LAYERS 256u                   /* layers in the daemon */
+#define KP_DEFAULT_MAX_LAYERS_PER_UID 128u           /* client layers of one uid */
 
 /* ------------------------------------------------------------------------ */
 /* Errors (§Errors).  ONE table: enum values, names, default messages, the   */
@@ -218,6 +219,8 @@ typedef struct kp_limits {
     uint32_t max_inflight_requests;  /* unanswered requests per connection */
     uint64_t max_inflight_bytes;     /* request frame bytes held unanswered per connection */
     uint32_t max_layers;             /* layers in the daemon */
+    uint32_t max_layers_per_uid;     /* client layers of one uid; 0: not announced */
+    uint32_t max_slots_per_uid;      /* slots of one uid, all its owners; 0: not announced */
 } kp_limits;
 
 /* Fills the named defaults above. */
@@ -575,6 +578,10 @@ typedef struct kp_stats_result {
     uint32_t latency_nbounds;          /* 0..KP_HIST_MAX_BUCKETS */
     uint32_t slots_total, slots_used, slots_lost;
     uint32_t layers;             /* layers registered */
+    /* "uid": what the asking client's uid holds against its per-uid bounds;
+       absent from older daemons */
+    bool has_uid;
+    uint32_t uid, uid_layers, uid_slots;
     uint32_t regions;            /* regions registered, all connections */
     uint32_t rings;              /* connections whose frames use a frame ring now (0 from
                                     daemons before the field) */

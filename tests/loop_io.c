@@ -95,7 +95,7 @@ void loop_daemon_stop(kd_daemon *d, uv_loop_t *loop)
     assert_int_equal(uv_loop_close(loop), 0); /* every handle closed */
 }
 
-kd_conn *loop_daemon_connect(kd_daemon *d, uid_t uid, int *fd)
+kd_client *loop_daemon_connect(kd_daemon *d, uid_t uid, int *fd)
 {
     int sv[2];
     assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
@@ -103,7 +103,7 @@ kd_conn *loop_daemon_connect(kd_daemon *d, uid_t uid, int *fd)
     assert_int_equal(fcntl(sv[1], F_SETFL, O_NONBLOCK), 0);
     kd_peer peer = {getpid(), uid, getgid()};
     *fd = sv[1];
-    return kd_conn_new(d, sv[0], &peer);
+    return kd_client_new(d, sv[0], &peer);
 }
 
 void loop_client_init(loop_client *c, int fd)

@@ -33,7 +33,7 @@ void loop_daemon_stop(kd_daemon *d, uv_loop_t *loop);
 
 /* Connects a peer of uid to d over a non-blocking socketpair: the daemon's
  * end (NULL if it refused), the client's in *fd. */
-kd_conn *loop_daemon_connect(kd_daemon *d, uid_t uid, int *fd);
+kd_client *loop_daemon_connect(kd_daemon *d, uid_t uid, int *fd);
 
 /* Readies c's reader, writer and message for the socket fd; closes them. */
 void loop_client_init(loop_client *c, int fd);

@@ -1,9 +1,9 @@
 /*
- * test_conn.c - daemon/conn.c and daemon/dispatch.c in-process: a kdad
- * daemon object (cpu backend) on a test-owned event loop, one end of a
- * socketpair adopted as a connection, hostile and awkward byte streams
- * written to the other end.  Each test ends with a drain and a clean loop
- * close, and the sanitizer build checks the daemon's memory.
+ * test_conn.c - daemon/conn.c, the transport, alone: a bare event loop, a
+ * kd_transport with handlers that record what they are told, one end of a
+ * socketpair adopted as a connection and raw bytes on the other.  No
+ * daemon, no backend: framing, descriptors, backpressure, output limits and
+ * the close sequence as the transport sees them.
  */
 #define _GNU_SOURCE
 #include <setjmp.h>
@@ -14,35 +14,83 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include "daemon.h"
-#include "dispatch.h"
-#include "loop_io.h"
+#include "conn.h"
+
+#define MAX_FRAMES 64
 
 typedef struct fixture {
     uv_loop_t loop;
-    kd_daemon d;
-    loop_client c;   /* the client's end */
-    kd_conn *conn;   /* the daemon's end */
+    kd_transport t;
+    kd_conn *c;
+    int peer;                       /* the client's end */
+    uint8_t *frames[MAX_FRAMES];    /* bodies delivered, in order */
+    size_t lens[MAX_FRAMES];
+    int nframes;
+    int errors, last_error;
+    int closes;
+    kd_disconnect reason;
+    int frees;
+    bool pause_each;                /* on_frame pauses the connection */
 } fixture;
 
-static const char yaml[] = "heads: 2\nslots: 8\ncpu_threads: 1\n"
-                           "limits:\n  max_inflight_requests: 2\n";
+static void on_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_ns)
+{
+    fixture *f = c->data;
+    (void)arrival_ns;
+    assert_true(f->nframes < MAX_FRAMES);
+    f->frames[f->nframes] = body;
+    f->lens[f->nframes++] = len;
+    if (f->pause_each)
+        kd_conn_pause(c);
+}
+
+static void on_error(kd_conn *c, const kp_error *e)
+{
+    fixture *f = c->data;
+    f->errors++;
+    f->last_error = e->code;
+}
+
+static void on_close(kd_conn *c, kd_disconnect reason)
+{
+    fixture *f = c->data;
+    f->closes++;
+    f->reason = reason;
+}
+
+static void on_free(kd_conn *c)
+{
+    fixture *f = c->data;
+    f->frees++;
+    f->c = NULL;
+}
+
+static const kd_conn_handlers handlers = {on_frame, on_error, on_close, on_free};
 
 static int setup(void **state)
 {
     fixture *f = calloc(1, sizeof(*f));
-    int fd;
-    loop_daemon_start(&f->d, &f->loop, yaml);
-    f->conn = loop_daemon_connect(&f->d, getuid(), &fd);
-    assert_non_null(f->conn);
-    loop_client_init(&f->c, fd);
+    assert_int_equal(uv_loop_init(&f->loop), 0);
+    kd_transport_limits lim = {
+        .output_hard = 1 << 20, .output_soft = 1 << 19, .output_soft_ns = 1000000000ull,
+        .close_flush_ns = 1000000000ull, .read_budget = 1 << 20, .write_budget = 1 << 20,
+        .read_buffer = 4096, .spin_us = 0,
+    };
+    kd_transport_init(&f->t, &f->loop, &handlers, &lim);
+    int sv[2];
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    assert_int_equal(fcntl(sv[0], F_SETFL, O_NONBLOCK), 0);
+    assert_int_equal(fcntl(sv[1], F_SETFL, O_NONBLOCK), 0);
+    f->c = kd_conn_new(&f->t, sv[0], 1, f);
+    assert_non_null(f->c);
+    f->peer = sv[1];
     *state = f;
     return 0;
 }
@@ -50,274 +98,299 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     fixture *f = *state;
-    loop_client_close(&f->c);
-    loop_daemon_stop(&f->d, &f->loop);
+    if (f->c)
+        kd_conn_close(f->c, KD_DISC_SHUTDOWN, NULL);
+    if (f->peer >= 0)
+        close(f->peer);
+    for (int i = 0; i < 100 && f->frees == 0; i++)
+        uv_run(&f->loop, UV_RUN_NOWAIT);
+    assert_int_equal(f->frees, 1);
+    kd_transport_close(&f->t);
+    uv_run(&f->loop, UV_RUN_DEFAULT);
+    assert_int_equal(uv_loop_close(&f->loop), 0);
+    for (int i = 0; i < f->nframes; i++)
+        free(f->frames[i]);
     free(f);
     return 0;
 }
 
-/* Writes everything, running the daemon's loop whenever the socket is full (loop_io.h). */
-static void write_to(fixture *f, int fd, const void *bytes, size_t n)
+static void turn(fixture *f, int n)
 {
-    loop_write_all(&f->loop, fd, bytes, n);
+    for (int i = 0; i < n; i++)
+        uv_run(&f->loop, UV_RUN_NOWAIT);
 }
 
-static void send_frame(fixture *f)
+/* A frame: 4-byte big-endian length, then the body. */
+static size_t frame(uint8_t *out, const char *body)
 {
-    loop_send_frame(&f->loop, f->c.fd, &f->c.w);
+    size_t n = strlen(body);
+    out[0] = (uint8_t)(n >> 24);
+    out[1] = (uint8_t)(n >> 16);
+    out[2] = (uint8_t)(n >> 8);
+    out[3] = (uint8_t)n;
+    memcpy(out + 4, body, n);
+    return 4 + n;
 }
 
-/* Runs the daemon's loop until a frame arrives on the client end; false at EOF. */
-static bool recv_frame(fixture *f)
+static void put(fixture *f, const void *bytes, size_t n)
 {
-    return loop_recv_msg(&f->loop, f->c.fd, &f->c.reader, &f->c.msg, &f->c.body);
+    assert_int_equal(write(f->peer, bytes, n), (ssize_t)n);
 }
 
-static void expect_error(fixture *f, uint32_t id, int code, const char *substr)
+static void expect_frame(fixture *f, int i, const char *body)
 {
-    kp_error remote, e;
-    assert_true(recv_frame(f));
-    assert_int_equal(f->c.msg.kind, KP_MSG_RESPONSE);
-    assert_int_equal(f->c.msg.id, id);
-    assert_int_equal(kp_response_error_decode(&f->c.msg, &remote, &e), KP_OK);
-    assert_int_equal(remote.code, code);
-    if (!strstr(remote.message, substr))
-        fail_msg("\"%s\" not in \"%s\"", substr, remote.message);
-}
-
-static void expect_goodbye(fixture *f, int code, const char *substr)
-{
-    kp_error remote, e;
-    assert_true(recv_frame(f));
-    assert_int_equal(kp_goodbye_decode(&f->c.msg, &remote, &e), KP_OK);
-    assert_int_equal(remote.code, code);
-    if (!strstr(remote.message, substr))
-        fail_msg("\"%s\" not in \"%s\"", substr, remote.message);
-    assert_false(recv_frame(f));
-}
-
-static void expect_ok(fixture *f, uint32_t id)
-{
-    assert_true(recv_frame(f));
-    assert_int_equal(f->c.msg.kind, KP_MSG_RESPONSE);
-    assert_int_equal(f->c.msg.id, id);
-    assert_null(f->c.msg.error);
-}
-
-static void hello(fixture *f)
-{
-    kp_hello_params p = {{1}, 1, NULL};
-    assert_int_equal(kp_hello_params_encode(&f->c.w, 1, &p, NULL), KP_OK);
-    send_frame(f);
-    expect_ok(f, 1);
+    assert_true(i < f->nframes);
+    assert_int_equal(f->lens[i], strlen(body));
+    assert_memory_equal(f->frames[i], body, strlen(body));
 }
 
 /* ---------------------------------------------------------------------- */
 
-static void test_prevalidation_refuses_hostile_frames(void **state)
+/* Frames cut anywhere and frames glued together both arrive whole, in order. */
+static void test_frames_split_and_glued(void **state)
 {
     fixture *f = *state;
-    hello(f);
-    /* an array32 announcing 2^32 - 1 elements in 9 bytes */
-    static const uint8_t bomb[] = {0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff};
-    write_to(f, f->c.fd, bomb, sizeof(bomb));
-    expect_goodbye(f, KP_E_PROTOCOL, "announces 4294967295 objects");
-    assert_int_equal(f->d.stats.disconnects[KD_DISC_PROTOCOL], 1);
+    uint8_t buf[256];
+    size_t n = frame(buf, "byte by byte");
+    for (size_t i = 0; i < n; i++) {
+        put(f, buf + i, 1);
+        turn(f, 2);
+    }
+    assert_int_equal(f->nframes, 1);
+    expect_frame(f, 0, "byte by byte");
+
+    size_t at = frame(buf, "one");
+    at += frame(buf + at, "two");
+    at += frame(buf + at, "three");
+    put(f, buf, at);
+    turn(f, 3);
+    assert_int_equal(f->nframes, 4);
+    expect_frame(f, 1, "one");
+    expect_frame(f, 2, "two");
+    expect_frame(f, 3, "three");
+    assert_int_equal(f->errors, 0);
 }
 
-static void test_too_many_objects(void **state)
+/* A body larger than the read buffer is read straight into the frame. */
+static void test_large_body(void **state)
 {
     fixture *f = *state;
-    hello(f);
-    /* [0, 2, "health", {}] would be fine; one array of 262145 nils is not */
-    size_t n = KP_MAX_OBJECTS + 1, body = 5 + n;
-    uint8_t *frame = malloc(4 + body);
-    frame[0] = (uint8_t)(body >> 24);
-    frame[1] = (uint8_t)(body >> 16);
-    frame[2] = (uint8_t)(body >> 8);
-    frame[3] = (uint8_t)body;
-    frame[4] = 0xdd;
-    frame[5] = (uint8_t)(n >> 24);
-    frame[6] = (uint8_t)(n >> 16);
-    frame[7] = (uint8_t)(n >> 8);
-    frame[8] = (uint8_t)n;
-    memset(frame + 9, 0xc0, n);
-    write_to(f, f->c.fd, frame, 4 + body);
-    free(frame);
-    expect_goodbye(f, KP_E_PROTOCOL, "more than 262144 msgpack objects");
+    kd_conn_set_max_frame(f->c, 1 << 20);
+    size_t n = 100000;
+    uint8_t *buf = malloc(4 + n);
+    buf[0] = 0;
+    buf[1] = (uint8_t)(n >> 16);
+    buf[2] = (uint8_t)(n >> 8);
+    buf[3] = (uint8_t)n;
+    for (size_t i = 0; i < n; i++)
+        buf[4 + i] = (uint8_t)(i * 7);
+    size_t off = 0;
+    while (off < 4 + n) {
+        ssize_t w = write(f->peer, buf + off, 4 + n - off);
+        if (w > 0)
+            off += (size_t)w;
+        turn(f, 1);
+    }
+    turn(f, 3);
+    assert_int_equal(f->nframes, 1);
+    assert_int_equal(f->lens[0], n);
+    assert_memory_equal(f->frames[0], buf + 4, n);
+    free(buf);
 }
 
-/* Frames cut anywhere and frames glued together both work. */
-static void test_frames_split_and_coalesced(void **state)
+/* A length beyond the cap: on_error, a FRAME_TOO_LARGE goodbye, the close. */
+static void test_frame_too_large(void **state)
 {
     fixture *f = *state;
-    assert_int_equal(kp_health_params_encode(&f->c.w, 4, NULL), KP_OK);
-    send_frame(f);
-    expect_error(f, 4, KP_E_HELLO_REQUIRED, "health: send hello first");
-    kp_hello_params p = {{1}, 1, "byte by byte"};
-    assert_int_equal(kp_hello_params_encode(&f->c.w, 5, &p, NULL), KP_OK);
-    uint8_t *frame;
-    size_t len;
-    assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
-    for (size_t i = 0; i < len; i++) {
-        write_to(f, f->c.fd, frame + i, 1);
-        uv_run(&f->loop, UV_RUN_NOWAIT);
-    }
-    free(frame);
-    expect_ok(f, 5);
-
-    uint8_t glued[3 * 64];
-    size_t at = 0;
-    for (uint32_t id = 10; id < 13; id++) {
-        assert_int_equal(kp_health_params_encode(&f->c.w, id, NULL), KP_OK);
-        assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
-        memcpy(glued + at, frame, len);
-        at += len;
-        free(frame);
-    }
-    write_to(f, f->c.fd, glued, at);
-    for (uint32_t id = 10; id < 13; id++)
-        expect_ok(f, id);
+    static const uint8_t header[] = {0x7f, 0, 0, 0};
+    put(f, header, sizeof(header));
+    turn(f, 3);
+    assert_int_equal(f->errors, 1);
+    assert_int_equal(f->last_error, KP_E_FRAME_TOO_LARGE);
+    assert_int_equal(f->closes, 1);
+    assert_int_equal(f->reason, KD_DISC_FRAME_TOO_LARGE);
+    uint8_t got[512];
+    ssize_t n = read(f->peer, got, sizeof(got));
+    assert_true(n > 4); /* the goodbye */
+    turn(f, 3);
+    assert_int_equal(f->frees, 1);
+    assert_null(f->c);
 }
 
-/* With max_inflight_requests 2, a pipeline of four requests on one slot
- * never has more than two admitted at once, and all four are answered. */
-static void test_backpressure(void **state)
+/* Paused, nothing is delivered; resumed, what was buffered comes in order. */
+static void test_pause_resume(void **state)
 {
     fixture *f = *state;
-    hello(f);
-    kp_slot_alloc_params ap = {1, true};
-    assert_int_equal(kp_slot_alloc_params_encode(&f->c.w, 2, &ap, NULL), KP_OK);
-    send_frame(f);
-    expect_ok(f, 2);
-    kp_slot_list sl;
-    assert_int_equal(kp_slot_alloc_result_decode(&f->c.msg, &sl, NULL), KP_OK);
-    uint64_t slot = sl.slots[0];
-    for (uint32_t id = 3; id < 7; id++) {
-        kp_slot_list rp = {&slot, 1};
-        assert_int_equal(kp_slot_reset_params_encode(&f->c.w, id, &rp, NULL), KP_OK);
-        send_frame(f);
+    f->pause_each = true;
+    uint8_t buf[256];
+    size_t at = frame(buf, "a");
+    at += frame(buf + at, "b");
+    at += frame(buf + at, "c");
+    put(f, buf, at);
+    turn(f, 5);
+    assert_int_equal(f->nframes, 1);
+    for (int k = 2; k <= 3; k++) {
+        kd_conn_resume(f->c);
+        turn(f, 3);
+        assert_int_equal(f->nframes, k);
     }
-    uint32_t most = 0;
-    for (uint32_t id = 3; id < 7; id++) {
-        for (int i = 0; i < 50; i++) {
-            uv_run(&f->loop, UV_RUN_NOWAIT);
-            most = f->conn->inflight > most ? f->conn->inflight : most;
-        }
-        expect_ok(f, id);
-    }
-    assert_true(most <= 2);
+    expect_frame(f, 0, "a");
+    expect_frame(f, 1, "b");
+    expect_frame(f, 2, "c");
 }
 
-static void test_access_lists_and_connection_limit(void **state)
-{
-    fixture *f = *state;
-    uint32_t allowed = 4242, *saved = f->d.cfg.allowed_uids;
-    f->d.cfg.allowed_uids = &allowed;
-    f->d.cfg.nallowed_uids = 1;
-    int other;
-    loop_daemon_connect(&f->d, 1000, &other);
-    int keep = f->c.fd;
-    f->c.fd = other;
-    expect_goodbye(f, KP_E_PERMISSION_DENIED, "uid 1000");
-    close(other);
-    f->d.cfg.nallowed_uids = 0;
-    f->d.cfg.allowed_uids = saved;
-
-    f->d.cfg.max_connections = 1;
-    loop_daemon_connect(&f->d, getuid(), &other);
-    f->c.fd = other;
-    expect_goodbye(f, KP_E_BUSY, "too many connections");
-    close(other);
-    f->c.fd = keep;
-    hello(f); /* the first connection is unaffected */
-    assert_int_equal(f->d.stats.disconnects[KD_DISC_PERMISSION], 1);
-    assert_int_equal(f->d.stats.disconnects[KD_DISC_TOO_MANY], 1);
-}
-
-/* A client that never reads its responses is cut off, not buffered forever. */
-static void test_output_hard_limit(void **state)
-{
-    fixture *f = *state;
-    hello(f);
-    int small = 4096;
-    assert_int_equal(setsockopt(f->conn->fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
-    f->d.cfg.output_hard_limit = 65536;
-    uint8_t *frame;
-    size_t len;
-    /* The same id each time: an answered request is no longer in flight. */
-    assert_int_equal(kp_stats_params_encode(&f->c.w, 100, NULL), KP_OK);
-    assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
-    /* stats answers are ~1 KiB: a few hundred unread ones pass 64 KiB */
-    kd_disconnect limit = KD_DISC_OUTPUT_LIMIT;
-    for (uint32_t i = 0; i < 600 && !f->d.stats.disconnects[limit]; i++) {
-        write_to(f, f->c.fd, frame, len);
-        uv_run(&f->loop, UV_RUN_NOWAIT);
-    }
-    free(frame);
-    assert_int_equal(f->d.stats.disconnects[limit], 1);
-    /* what was queued before the limit still arrives, then the goodbye */
-    kp_error remote, e;
-    bool goodbye = false;
-    while (recv_frame(f)) {
-        if (f->c.msg.kind == KP_MSG_NOTIFICATION) {
-            assert_int_equal(kp_goodbye_decode(&f->c.msg, &remote, &e), KP_OK);
-            assert_int_equal(remote.code, KP_E_BUSY);
-            goodbye = true;
-        }
-    }
-    assert_true(goodbye);
-}
-
-/* Descriptors queue in arrival order: one that came with an earlier frame
- * is the one the next fd-carrying request takes. */
+/* Descriptors queue in arrival order and are taken one by one. */
 static void test_descriptor_fifo(void **state)
 {
     fixture *f = *state;
-    int mfd = memfd_create("t", MFD_ALLOW_SEALING | MFD_CLOEXEC);
-    assert_int_equal(ftruncate(mfd, 4096), 0);
-    assert_int_equal(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
-    kp_hello_params p = {{1}, 1, NULL};
-    assert_int_equal(kp_hello_params_encode(&f->c.w, 1, &p, NULL), KP_OK);
-    uint8_t *frame;
-    size_t len;
-    assert_int_equal(kp_writer_flatten(&f->c.w, &frame, &len, NULL), KP_OK);
+    int fds[2] = {memfd_create("a", MFD_CLOEXEC), memfd_create("b", MFD_CLOEXEC)};
+    uint8_t buf[64];
+    size_t len = frame(buf, "x");
     union {
         struct cmsghdr align;
-        char buf[CMSG_SPACE(sizeof(int))];
-    } control = {0};
-    struct iovec v = {frame, len};
+        char buf[CMSG_SPACE(2 * sizeof(int))];
+    } control;
+    memset(&control, 0, sizeof(control));
+    struct iovec v = {buf, len};
     struct msghdr m = {.msg_iov = &v, .msg_iovlen = 1, .msg_control = control.buf,
                        .msg_controllen = sizeof(control.buf)};
     struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cm), &mfd, sizeof(int));
-    assert_int_equal(sendmsg(f->c.fd, &m, 0), (ssize_t)len);
-    free(frame);
-    close(mfd);
-    expect_ok(f, 1);
-    assert_int_equal(f->conn->nfds, 1);
-    kp_region_register_shm_params rp = {4096};
-    assert_int_equal(kp_region_register_shm_params_encode(&f->c.w, 2, &rp, NULL), KP_OK);
-    send_frame(f);
-    expect_ok(f, 2);
-    assert_int_equal(f->conn->nfds, 0);
-    assert_int_equal(f->conn->regions.count, 1);
+    cm->cmsg_len = CMSG_LEN(2 * sizeof(int));
+    memcpy(CMSG_DATA(cm), fds, sizeof(fds));
+    assert_int_equal(sendmsg(f->peer, &m, 0), (ssize_t)len);
+    turn(f, 3);
+    assert_int_equal(f->nframes, 1);
+    assert_int_equal(f->c->nfds, 2);
+    struct stat a, b, a2, b2;
+    fstat(fds[0], &a);
+    fstat(fds[1], &b);
+    int x = kd_conn_take_fd(f->c), y = kd_conn_take_fd(f->c);
+    assert_true(x >= 0 && y >= 0);
+    fstat(x, &a2);
+    fstat(y, &b2);
+    assert_int_equal(a.st_ino, a2.st_ino);
+    assert_int_equal(b.st_ino, b2.st_ino);
+    assert_int_equal(kd_conn_take_fd(f->c), -1);
+    close(x);
+    close(y);
+    close(fds[0]);
+    close(fds[1]);
+}
+
+/* More descriptors than KP_MAX_PENDING_FDS unclaimed: a PROTOCOL close, and
+ * every descriptor is closed. */
+static void test_too_many_descriptors(void **state)
+{
+    fixture *f = *state;
+    for (int k = 0; k < KP_MAX_PENDING_FDS + 1 && f->closes == 0; k++) {
+        int fd = memfd_create("d", MFD_CLOEXEC);
+        char byte = 0;
+        union {
+            struct cmsghdr align;
+            char buf[CMSG_SPACE(sizeof(int))];
+        } control;
+        memset(&control, 0, sizeof(control));
+        struct iovec v = {&byte, 1};
+        struct msghdr m = {.msg_iov = &v, .msg_iovlen = 1, .msg_control = control.buf,
+                           .msg_controllen = sizeof(control.buf)};
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+        assert_int_equal(sendmsg(f->peer, &m, 0), 1);
+        close(fd);
+        turn(f, 2);
+    }
+    assert_int_equal(f->closes, 1);
+    assert_int_equal(f->reason, KD_DISC_PROTOCOL);
+    assert_int_equal(f->last_error, KP_E_PROTOCOL);
+}
+
+/* Output the peer does not read: beyond output_hard, a BUSY goodbye after
+ * what was already started, and the close. */
+static void test_output_hard_limit(void **state)
+{
+    fixture *f = *state;
+    int small = 4096;
+    assert_int_equal(setsockopt(f->c->fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
+    f->t.lim.output_hard = 65536;
+    kd_conn_set_max_frame(f->c, 1 << 20);
+    /* Small frames (goodbyes will do), queued until the limit cuts in. */
+    for (int i = 0; i < 100000 && f->closes == 0; i++) {
+        kd_out *o = kd_out_new(f->c);
+        kp_error e;
+        assert_int_equal(kp_goodbye_encode(&o->w, &(kp_error){KP_E_INTERNAL, false, "filler"},
+                                           &e), KP_OK);
+        kd_conn_send(f->c, o);
+    }
+    assert_int_equal(f->closes, 1);
+    assert_int_equal(f->reason, KD_DISC_OUTPUT_LIMIT);
+    /* Drain: frames, then the BUSY goodbye, then EOF. */
+    kp_reader r;
+    kp_reader_init(&r, 1 << 20);
+    kp_msg msg;
+    kp_msg_init(&msg);
+    bool busy = false, eof = false;
+    for (int i = 0; i < 100000 && !eof; i++) {
+        uint8_t *dst;
+        size_t space = kp_reader_space(&r, &dst);
+        ssize_t n = read(f->peer, dst, space);
+        if (n == 0) {
+            eof = true;
+            break;
+        }
+        if (n < 0) {
+            turn(f, 1);
+            continue;
+        }
+        kp_error e;
+        if (kp_reader_commit(&r, (size_t)n, &e) != KP_READ_FRAME)
+            continue;
+        size_t len;
+        uint8_t *body = kp_reader_take(&r, &len);
+        kp_error remote;
+        assert_int_equal(kp_msg_decode(&msg, body, len, 1 << 20, &e), KP_OK);
+        assert_int_equal(kp_goodbye_decode(&msg, &remote, &e), KP_OK);
+        if (remote.code == KP_E_BUSY) {
+            busy = true;
+            assert_non_null(strstr(remote.message, "output limit of 65536 bytes"));
+        }
+        kp_msg_close(&msg);
+        free(body);
+    }
+    kp_reader_close(&r);
+    assert_true(busy);
+    assert_true(eof);
+}
+
+/* The peer goes away: on_close (peer_closed), then on_free once the socket closed. */
+static void test_peer_closes(void **state)
+{
+    fixture *f = *state;
+    close(f->peer);
+    f->peer = -1;
+    turn(f, 3);
+    assert_int_equal(f->closes, 1);
+    assert_int_equal(f->reason, KD_DISC_PEER_CLOSED);
+    assert_int_equal(f->frees, 1);
+    assert_int_equal(f->t.nconns, 0);
+    assert_int_equal(f->t.nopen, 0);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_prevalidation_refuses_hostile_frames, setup,
-                                        teardown),
-        cmocka_unit_test_setup_teardown(test_too_many_objects, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_frames_split_and_coalesced, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_backpressure, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_access_lists_and_connection_limit, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_output_hard_limit, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_frames_split_and_glued, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_large_body, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_frame_too_large, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_pause_resume, setup, teardown),
         cmocka_unit_test_setup_teardown(test_descriptor_fifo, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_too_many_descriptors, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_output_hard_limit, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_peer_closes, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -22,7 +22,7 @@
 
 #include "daemon.h"
 #include "hold.h"
-#include "sched.h"
+#include "scheduler.h"
 #include "loop_io.h"
 
 /* ---------------------------------------------------------------------- */

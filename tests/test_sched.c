@@ -1,5 +1,5 @@
 /*
- * test_sched.c - daemon/sched.c: batch formation, per-slot arrival order,
+ * test_sched.c - daemon/scheduler.c: batch formation, per-slot arrival order,
  * fairness across connections, batch limits, host jobs and cancellation,
  * the runnable totals.
  */
@@ -11,7 +11,7 @@
 
 #include <string.h>
 
-#include "sched.h"
+#include "scheduler.h"
 
 #define NSLOTS 64
 #define MAXJOBS 64

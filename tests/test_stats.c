@@ -62,13 +62,13 @@ static void test_counters_and_prometheus(void **unused)
     s.bytes_in[KP_TRANSPORT_ID_SHM] = 1234;
     s.batches_held = 3;
     s.batches_gathered = 2;
-    s.ring_doorbells = 17;
     kd_stats_latency(&s, 30);
     kd_stats_latency(&s, 70);
     assert_string_equal(kd_disconnect_name(KD_DISC_OUTPUT_LIMIT), "output_limit");
 
     kd_stats_gauges g = {.slots_total = 8, .slots_used = 3, .slots_lost = 1, .layers = 2,
-                         .rings = 1, .queued = 5, .running = 1};
+                         .rings = 1, .queued = 5, .running = 1,
+                         .ring_doorbells = 17};
     kd_stats_view v;
     kp_stats_result r;
     kd_stats_result(&s, &g, 0, &v, &r);

@@ -669,10 +669,13 @@ typedef struct kdac_layer {
 } kdac_layer;
 
 /*
- * Registers a named layer, daemon-wide.  *created (may be NULL) is false
- * when an identical layer of that name already existed (so many processes
- * can register the same layer without coordinating).  Errors: LAYER_EXISTS
- * (same name, other content), QUOTA_EXCEEDED, INVALID_PARAMS.
+ * Registers a named layer for the caller's uid (each uid names its own
+ * layers; configuration layers are everyone's).  *created (may be NULL) is
+ * false when an identical layer of that name already existed (so many
+ * processes can register the same layer without coordinating).  Each
+ * success takes one registration, which kdac_layer_drop gives back.
+ * Errors: LAYER_EXISTS (same name, other content), QUOTA_EXCEEDED
+ * (max_layers or max_layers_per_uid), INVALID_PARAMS.
  */
 KDAC_EXPORT int kdac_layer_register(kdac_client *c, const kdac_layer *layer, bool *created,
                                     kdac_error *err);
@@ -689,9 +692,10 @@ typedef struct kdac_layer_info {
 KDAC_EXPORT int kdac_layer_list(kdac_client *c, kdac_layer_info *layers, uint32_t cap,
                                 uint32_t *n, kdac_error *err);
 
-/* Removes a layer's name (running requests keep its weights until they
- * finish).  Errors: UNKNOWN_LAYER, PERMISSION_DENIED (a configuration layer,
- * or another uid's). */
+/* Gives back one registration of the caller's uid's layer; the name goes
+ * with the last (running requests keep its weights until they finish).
+ * Errors: UNKNOWN_LAYER (the uid has no layer of that name: other uids'
+ * names are their own), PERMISSION_DENIED (a configuration layer). */
 KDAC_EXPORT int kdac_layer_drop(kdac_client *c, const char *name, kdac_error *err);
 
 /* ------------------------------------------------------------------------ */

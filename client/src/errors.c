@@ -1,7 +1,9 @@
 /*
  * errors.c - the client's error table (KDAC_ERRORS in kdaclient.h) as
- * lookups.  Its wire block must equal the codec's KP_ERRORS row for row: the
- * assertions below fail the build if either table changes alone.
+ * lookups.  Wire codes (the daemon's) are the codec's: their names, messages
+ * and retryable flags come from its table (kp_code_*), and the assertions
+ * below fail the build if kdaclient.h's numbers drift from it.  The rows
+ * here are the client's own codes (-100 and below).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -42,14 +44,18 @@ typedef struct error_entry {
     bool retryable;
 } error_entry;
 
+/* Every row of kdaclient.h's table; only the client's own (-100 and below)
+ * are looked up here, the wire's come from the codec. */
 static const error_entry error_table[] = {
 #define KDAC_TABLE_ENTRY(name, code, retryable, message) {code, #name, message, retryable},
     KDAC_ERRORS(KDAC_TABLE_ENTRY)
 #undef KDAC_TABLE_ENTRY
 };
 
-static const error_entry *error_find(int code)
+static const error_entry *client_find(int code)
 {
+    if (code > -100)
+        return NULL; /* the wire's range */
     for (size_t i = 0; i < sizeof(error_table) / sizeof(error_table[0]); i++) {
         if (error_table[i].code == code)
             return &error_table[i];
@@ -61,7 +67,9 @@ const char *kdac_err_name(int code)
 {
     if (code == KDAC_OK)
         return "OK";
-    const error_entry *e = error_find(code);
+    if (kp_code_known(code))
+        return kp_code_name(code);
+    const error_entry *e = client_find(code);
     return e ? e->name : "UNKNOWN_CODE";
 }
 
@@ -69,13 +77,17 @@ const char *kdac_strerror(int code)
 {
     if (code == KDAC_OK)
         return "success";
-    const error_entry *e = error_find(code);
+    if (kp_code_known(code))
+        return kp_code_message(code);
+    const error_entry *e = client_find(code);
     return e ? e->message : "unknown error code";
 }
 
 bool kdac_err_retryable(int code)
 {
-    const error_entry *e = error_find(code);
+    if (kp_code_known(code))
+        return kp_code_retryable(code);
+    const error_entry *e = client_find(code);
     return e && e->retryable;
 }
 

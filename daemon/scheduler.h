@@ -1,5 +1,5 @@
 /*
- * sched.h - continuous batching: per-slot FIFOs and batch formation
+ * scheduler.h - continuous batching: per-slot FIFOs and batch formation
  * (DESIGN.md §The data path, PROTOCOL.md §Ordering and atomicity).
  *
  * A job is one admitted request that names slots.  It joins the FIFO of
@@ -19,8 +19,8 @@
  *
  * Pure data structure: no I/O, no backend, no clock.
  */
-#ifndef KDAD_SCHED_H
-#define KDAD_SCHED_H
+#ifndef KDAD_SCHEDULER_H
+#define KDAD_SCHEDULER_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -127,4 +127,4 @@ static inline uint32_t kd_sched_slot_jobs(const kd_sched *s, uint32_t slot)
     return s->fifo[slot].count;
 }
 
-#endif /* KDAD_SCHED_H */
+#endif /* KDAD_SCHEDULER_H */

@@ -1,11 +1,11 @@
 /*
- * sched.c - see sched.h.
+ * scheduler.c - see scheduler.h.
  *
  * Invariant: a job is runnable (in a group's runnable list or the host list)
  * iff it is QUEUED and blocked == 0, i.e. it heads the FIFO of every slot
  * it names.  Only the removal of a FIFO head can unblock another job.
  */
-#include "sched.h"
+#include "scheduler.h"
 
 #include <stdlib.h>
 #include <string.h>
