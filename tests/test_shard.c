@@ -227,6 +227,18 @@ static void states_equal(kdac_client *one, uint64_t one_slot, kdac_shard *s,
     free(y);
 }
 
+static bool has_layer(kdac_client *c, const char *name)
+{
+    kdac_layer_info list[16];
+    uint32_t n = 0;
+    assert_int_equal(kdac_layer_list(c, list, 16, &n, NULL), KDAC_OK);
+    for (uint32_t i = 0; i < n && i < 16; i++) {
+        if (strcmp(list[i].name, name) == 0)
+            return true;
+    }
+    return false;
+}
+
 static void sharded_equals_one(const char *const *paths, uint32_t nranks,
                                const uint32_t *want_first)
 {
@@ -264,7 +276,7 @@ static void sharded_equals_one(const char *const *paths, uint32_t nranks,
     if (kdac_layer_register(one, &layer, &created, &e) ||
         kdac_shard_layer_register(s, &layer, &e))
         fail_msg("layer: %s", e.message);
-    /* idempotent, as on one daemon */
+    /* the same layer again: a second registration on every rank, as on one daemon */
     if (kdac_shard_layer_register(s, &layer, &e))
         fail_msg("layer again: %s", e.message);
 
@@ -303,9 +315,18 @@ static void sharded_equals_one(const char *const *paths, uint32_t nranks,
 
     if (kdac_slot_free(one, a, 3, &e) || kdac_shard_slot_free(s, b, 3, &e))
         fail_msg("slot.free: %s", e.message);
+    /* two registrations on every rank, given back by two drops */
     assert_int_equal(kdac_layer_drop(one, "L", NULL), KDAC_OK);
+    for (int k = 0; k < 2; k++) {
+        for (uint32_t i = 0; i < nranks; i++)
+            assert_true(has_layer(kdac_shard_client(s, i), "L"));
+        if (kdac_shard_layer_drop(s, "L", &e))
+            fail_msg("layer drop: %s", e.message);
+    }
     for (uint32_t i = 0; i < nranks; i++)
-        assert_int_equal(kdac_layer_drop(kdac_shard_client(s, i), "L", NULL), KDAC_OK);
+        assert_false(has_layer(kdac_shard_client(s, i), "L"));
+    assert_int_equal(kdac_shard_layer_drop(s, "L", &e), KDAC_E_UNKNOWN_LAYER);
+    assert_contains(e.message, "rank 0 (");
     kdac_slot_info_result info;
     for (uint32_t i = 0; i < nranks; i++) {
         assert_int_equal(kdac_slot_info(kdac_shard_client(s, i), NULL, 0, &info, &e), KDAC_OK);
@@ -349,18 +370,6 @@ static void test_open_refusals(void **state)
                      KDAC_E_INVALID_ARGUMENT);
 }
 
-static bool has_layer(kdac_client *c, const char *name)
-{
-    kdac_layer_info list[16];
-    uint32_t n = 0;
-    assert_int_equal(kdac_layer_list(c, list, 16, &n, NULL), KDAC_OK);
-    for (uint32_t i = 0; i < n && i < 16; i++) {
-        if (strcmp(list[i].name, name) == 0)
-            return true;
-    }
-    return false;
-}
-
 /* A layer rank 1 refuses, an allocation over rank 1's quota, and a prefill rank 1
  * refuses after rank 0 applied it. */
 static void test_one_rank_refuses(void **state)
@@ -384,7 +393,7 @@ static void test_one_rank_refuses(void **state)
     char want[200];
     snprintf(want, sizeof(want), "rank 1 (%s): layer X: ", half[1].sock);
     assert_contains(e.message, want);
-    assert_contains(e.message, "dropped again");
+    assert_contains(e.message, "given back on the ranks before it");
     assert_false(has_layer(kdac_shard_client(s, 0), "X"));
     assert_int_equal(kdac_layer_drop(kdac_shard_client(s, 1), "X", NULL), KDAC_OK);
     assert_int_equal(kdac_shard_layer_register(s, &layer, &e), KDAC_OK);

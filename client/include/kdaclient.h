@@ -830,11 +830,15 @@ KDAC_EXPORT kdac_client *kdac_shard_client(const kdac_shard *s, uint32_t rank);
 
 /*
  * Registers a layer of all H heads (A_log [H], dt_bias [H][128]) on every
- * rank, each with its heads' slice, under the same name.  All or none: when
- * a rank refuses, the ranks where this call created the layer drop it again.
+ * rank, each with its heads' slice, under the same name: one registration
+ * per rank, as kdac_layer_register takes.  All or none: when a rank refuses,
+ * the ranks before it give back the registration this call took.
  */
 KDAC_EXPORT int kdac_shard_layer_register(kdac_shard *s, const kdac_layer *layer,
                                           kdac_error *err);
+/* Gives back one registration of the layer on every rank (kdac_layer_drop on
+ * each; all are tried, the first failure is reported, naming its rank). */
+KDAC_EXPORT int kdac_shard_layer_drop(kdac_shard *s, const char *name, kdac_error *err);
 
 /*
  * Allocates `count` sharded slots into slots[count * nranks] (slot i's

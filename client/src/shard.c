@@ -290,26 +290,42 @@ int kdac_shard_layer_register(kdac_shard *s, const kdac_layer *layer, kdac_error
     int rc = all_usable(s, err);
     if (rc)
         return rc;
-    bool created[s->nranks];
     for (uint32_t r = 0; r < s->nranks; r++) {
         kdac_layer part = *layer;
         part.A_log = layer->A_log + s->r[r].first;
         part.dt_bias = layer->dt_bias + (size_t)s->r[r].first * KDAC_HEAD_DIM;
         kdac_error e;
-        if ((rc = kdac_layer_register(s->r[r].c, &part, &created[r], &e)) == KDAC_OK)
+        if ((rc = kdac_layer_register(s->r[r].c, &part, NULL, &e)) == KDAC_OK)
             continue;
-        /* Undo what this call made, so that no rank keeps half a layer. */
-        for (uint32_t q = 0; q < r; q++) {
-            if (created[q])
-                kdac_layer_drop(s->r[q].c, layer->name, NULL);
-        }
+        /* Give back the registrations this call took, so that no rank keeps half a layer. */
+        for (uint32_t q = 0; q < r; q++)
+            kdac_layer_drop(s->r[q].c, layer->name, NULL);
         shard_fail(err, rc, "rank %u (%s): layer %s: %s%s", r, s->r[r].path, layer->name,
-                   e.message, r ? " (dropped again where this call had registered it)" : "");
+                   e.message, r ? " (given back on the ranks before it)" : "");
         if (err)
             err->retryable = e.retryable;
         return rc;
     }
     return KDAC_OK;
+}
+
+int kdac_shard_layer_drop(kdac_shard *s, const char *name, kdac_error *err)
+{
+    if (!s || !name)
+        return shard_fail(err, KDAC_E_INVALID_ARGUMENT, "shard or name is NULL");
+    int rc = all_usable(s, err), first = KDAC_OK;
+    if (rc)
+        return rc;
+    for (uint32_t r = 0; r < s->nranks; r++) {
+        kdac_error e;
+        if ((rc = kdac_layer_drop(s->r[r].c, name, &e)) != KDAC_OK && first == KDAC_OK) {
+            first = shard_fail(err, rc, "rank %u (%s): layer %s: %s (the other ranks dropped "
+                               "theirs)", r, s->r[r].path, name, e.message);
+            if (err)
+                err->retryable = e.retryable;
+        }
+    }
+    return first;
 }
 
 /* ---------------------------------------------------------------------- */
