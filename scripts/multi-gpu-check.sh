@@ -36,9 +36,10 @@ start() {   # start HEADS DEVICE: a kdad on a fresh socket, appended to socks/pi
 }
 stop_all() {
   local p
-  for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p"; done
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
   pids=() socks=()
 }
+trap stop_all EXIT  # also when a daemon fails to start
 bench=(--clients 64 --tokens 1024 --dist fixed --seqs 1 --requests 1600 --transport cuda-vmm)
 
 echo "== $ngpu GPU(s); one kdad, H = 32, GPU 0"
