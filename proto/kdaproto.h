@@ -493,6 +493,7 @@ typedef struct kp_gpu {
     const char *name;  /* e.g. "NVIDIA H200" */
     const char *uuid;  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
     uint32_t index;    /* CUDA device ordinal inside the daemon */
+    const char *pci_bus_id; /* PCI bus id, "0000:19:00.0"; NULL or "": not sent */
 } kp_gpu;
 
 typedef struct kp_hello_result {

@@ -5,8 +5,9 @@
 # to $OUT (as logs.tar.gz, beside the JSON results: the device tool brings back at most
 # 8 files); a short summary is printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [decode] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests]
-#   (default: all but ab and vtests).  `decode` is the step kernel's tests and memcheck.  `launch` is bench_launch: what starting a batch costs; `ipc`
+#   scripts/gpu-check.sh [layout] [kernel] [decode] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests] [multi]
+#   (default: all but ab, vtests and multi).  `decode` is the step kernel's tests and memcheck.  `multi` is one kdad per GPU: test_shard_cuda and
+#   scripts/multi-gpu-check.sh (two GPUs on nvidia-h200-x2; on one GPU both daemons share it).  `launch` is bench_launch: what starting a batch costs; `ipc`
 #   is bench_ipc: the kernel on CUDA IPC memory against local memory, by allocation size and
 #   tensor placement.  `bench` and the full `e2e` did not fit one device call (600 s) together
 #   while kdactl bench drew all its inputs (~7 s per e2e row; a 4 MiB draw since the tenth
@@ -54,6 +55,12 @@ for step in $steps; do
               done
               (exit $rc) ;;
     e2e)      OUT=$out timeout 560 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
+    multi)    # one kdad per GPU: the sharded client on cuda, then one daemon against two
+              built=$(strings $bin/test_shard_cuda | grep -m1 -E '^/.*build[^/]*$')
+              mkdir -p "$built/daemon" "$built/client" && cp $bin/kdad "$built/daemon/" && cp $bin/kdactl "$built/client/"
+              KDAD_SOURCE_DIR=$PWD timeout 300 $bin/test_shard_cuda > "$out/multi.log" 2>&1; rc=$?
+              OUT=$out timeout 280 bash scripts/multi-gpu-check.sh $bin >> "$out/multi.log" 2>&1
+              (exit $((rc | $?))) ;;
     vtests)   rc=0
               for t in $bin/test_cuda_kernel_*; do
                 [ -x "$t" ] || continue
@@ -92,6 +99,7 @@ for step in $steps; do
     e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
     ab)       grep -E '^== |^H(96|64) (fixed 8192|mixed|uniform 8x1024) ' "$out/ab.log" | cut -c1-62 ;;
     vtests)   grep -E '^== |^-- |FAILED|PASSED|clusters' "$out/vtests.log" | head -40 ;;
+    multi)    grep -E 'GPU\(s\)|PASSED|FAILED|ERROR|^aggregate' "$out/multi.log" | tail -12 ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done
