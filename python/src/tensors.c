@@ -145,8 +145,17 @@ static int try_buffer(ClientObject *self, PyObject *obj, const char *field, kp_e
     t->have_view = true;
     int e = format_elem(t->view.format);
     if (!elem_ok(want, e)) {
+        static const struct { char c; const char *name; } NAMES[] = {
+            {'f', "float32"}, {'d', "float64"}, {'e', "float16"}, {'i', "int32"},
+            {'I', "uint32"}, {'l', "int64"}, {'q', "int64"}, {'?', "bool"}};
+        const char *f = t->view.format ? t->view.format : "?";
         char got[64];
-        snprintf(got, sizeof(got), "'%s'", t->view.format ? t->view.format : "?");
+        snprintf(got, sizeof(got), "'%s'", f);
+        if (*f == '<' || *f == '=' || *f == '@')
+            f++;
+        for (size_t i = 0; i < sizeof(NAMES) / sizeof(NAMES[0]); i++)
+            if (f[0] == NAMES[i].c && !f[1])
+                snprintf(got, sizeof(got), "%s", NAMES[i].name);
         kp_tensor_release(t);
         return type_error(field, want, got);
     }
@@ -327,6 +336,14 @@ int kp_tensor_resolve(ClientObject *self, PyObject *obj, const char *field, kp_e
         if (!arr)
             return -1;
         rc = try_buffer(self, arr, field, want, writable, t);
+        if (rc == 0 && writable) {
+            PyErr_Clear();
+            Py_DECREF(arr);
+            PyErr_Format(PyExc_TypeError,
+                         "%s: an output must be writable memory of the right type "
+                         "(a C-contiguous uint16 NumPy array, or a CUDA tensor)", field);
+            return -1;
+        }
         if (rc == 1) {
             if (writable && arr != obj) {
                 kp_tensor_release(t);
