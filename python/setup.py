@@ -64,7 +64,7 @@ setup(
     name="kdaclient",
     version=library_version(),
     description="Python client of kdad, the Kimi Delta Attention prefill daemon",
-    packages=["kdaclient"],
+    packages=["kdaclient", "kdaclient_tests"],
     package_data={"kdaclient": ["py.typed", "*.pyi"]},
     ext_modules=[ext],
     python_requires=">=3.11",

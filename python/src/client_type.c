@@ -616,6 +616,7 @@ static PyObject *client_read_slot(PyObject *o, PyObject *args, PyObject *kw)
         t.ptr = t.view.buf;
         t.nbytes = bytes;
     } else {
+        self->use_clock++;
         if (kp_tensor_resolve(self, outo, "out", KP_ELEM_STATE, true, &t) != 0)
             return NULL;
         arr = Py_NewRef(outo);
@@ -674,6 +675,7 @@ static PyObject *client_write_slot(PyObject *o, PyObject *args, PyObject *kw)
         kp_check_open(self))
         return NULL;
     tensor_arg t;
+    self->use_clock++;
     if (kp_tensor_resolve(self, st, "state", KP_ELEM_STATE, false, &t) != 0)
         return NULL;
     PyObject *ret = NULL;
@@ -754,6 +756,10 @@ static PyObject *client_prefill(PyObject *o, PyObject *args, PyObject *kw)
     if (rc == 0) {
         kp_request_unstage(&r);
         ret = kp_prefill_result(&r, res.pos); /* res.pos lives until the next call */
+        self->last_us[0] = res.queue_us;
+        self->last_us[1] = res.run_us;
+        self->last_us[2] = res.device_us;
+        self->last_us[3] = res.kernel_us;
     }
     kp_unlock(self);
     if (rc != 0)
@@ -771,8 +777,13 @@ static void prefill_done(kdac_client *c, void *data, const kdac_result *res, int
     ClientObject *self = r->client;
     PyObject *result = NULL, *exc = NULL;
     if (status == 0) {
+        const kdac_prefill_result *p = &res->u.prefill;
         kp_request_unstage(r);
-        result = kp_prefill_result(r, res->u.prefill.pos);
+        result = kp_prefill_result(r, p->pos);
+        self->last_us[0] = p->queue_us;
+        self->last_us[1] = p->run_us;
+        self->last_us[2] = p->device_us;
+        self->last_us[3] = p->kernel_us;
     } else {
         exc = kp_make_exception(&res->error);
     }
@@ -948,11 +959,23 @@ static PyObject *get_inflight(PyObject *o, void *unused)
     return PyLong_FromUnsignedLong(((ClientObject *)o)->async_inflight);
 }
 
+static PyObject *get_last_timings(PyObject *o, void *unused)
+{
+    const uint64_t *t = ((ClientObject *)o)->last_us;
+    return Py_BuildValue("{sKsKsKsK}", "queue_us", (unsigned long long)t[0], "run_us",
+                         (unsigned long long)t[1], "device_us", (unsigned long long)t[2],
+                         "kernel_us", (unsigned long long)t[3]);
+}
+
 static PyGetSetDef getset[] = {
     {"closed", get_closed, NULL, "True once close() ran.", NULL},
     {"heads", get_heads, NULL, "H, the daemon's heads.", NULL},
     {"path", get_path, NULL, "The socket path this client connected to.", NULL},
     {"inflight", get_inflight, NULL, "Non-blocking requests not yet completed.", NULL},
+    {"last_timings", get_last_timings, NULL,
+     "The daemon's times of the last completed prefill, microseconds: queue_us (admission to "
+     "launch), run_us (launch to completion), device_us and kernel_us (0 when not reported).",
+     NULL},
     {NULL},
 };
 

@@ -269,7 +269,6 @@ int kp_cuda_region(ClientObject *self, uint64_t ptr, uint64_t nbytes, const char
         return local_error(KDAC_E_INVALID_ARGUMENT,
                            "%s: offset %s in its allocation is not a multiple of 16", field, d);
     }
-    self->use_clock++;
     for (uint32_t i = 0; i < self->ncuda; i++) {
         cuda_entry *e = &self->cuda[i];
         if (e->buffer_id == id && e->base == start) {
@@ -293,10 +292,19 @@ int kp_cuda_region(ClientObject *self, uint64_t ptr, uint64_t nbytes, const char
                           ? self->max_regions - KP_REGIONS_RESERVED
                           : 1;
     while (self->ncuda >= budget) {
-        uint32_t lru = 0;
-        for (uint32_t i = 1; i < self->ncuda; i++)
-            if (self->cuda[i].last_use < self->cuda[lru].last_use)
+        /* the least recently used, but none the request being built names */
+        uint32_t lru = UINT32_MAX;
+        for (uint32_t i = 0; i < self->ncuda; i++)
+            if (self->cuda[i].last_use != self->use_clock &&
+                (lru == UINT32_MAX || self->cuda[i].last_use < self->cuda[lru].last_use))
                 lru = i;
+        if (lru == UINT32_MAX) {
+            char d[32];
+            snprintf(d, sizeof(d), "%u", budget);
+            return local_error(KDAC_E_QUOTA_EXCEEDED,
+                               "%s: the request's CUDA tensors lie in more than %s allocations "
+                               "(max_regions_per_client less the client's reserve)", field, d);
+        }
         entry_drop(self, lru);
     }
     if (self->ncuda == self->cuda_cap) {

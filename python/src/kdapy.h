@@ -72,9 +72,10 @@ typedef struct ClientObject {
     uint32_t narenas, arenas_cap;
     cuda_entry *cuda;
     uint32_t ncuda, cuda_cap;
-    uint64_t use_clock;
+    uint64_t use_clock;         /* advanced once per request: its tensors' registrations are pinned */
     uint64_t cuda_registered;   /* registrations made, for tests and tuning */
     uint64_t cuda_released;
+    uint64_t last_us[4];        /* the last completed prefill: queue, run, device, kernel */
     PyObject *weakreflist;
 } ClientObject;
 

@@ -626,6 +626,7 @@ int kp_request_build(ClientObject *self, PyObject *seqs, request *r)
 {
     memset(r, 0, sizeof(*r));
     r->client = self;
+    self->use_clock++;
     if (PyUnicode_Check(seqs) || PyDict_Check(seqs)) {
         PyErr_SetString(PyExc_TypeError, "seqs: a list of mappings expected");
         return -1;
