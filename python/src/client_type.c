@@ -981,29 +981,91 @@ static PyGetSetDef getset[] = {
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
 static PyMethodDef client_methods[] = {
-    {"close", client_close, METH_NOARGS, NULL},
+    {"close", client_close, METH_NOARGS,
+     "close($self)\n--\n\n"
+     "Closes the connection. Requests in flight fail with Canceled; the daemon frees this "
+     "connection's slots (unless slots persist) and regions. Calling it twice is harmless."},
     {"__enter__", client_enter, METH_NOARGS, NULL},
     {"__exit__", client_exit, METH_VARARGS, NULL},
-    {"hello", client_hello, METH_NOARGS, NULL},
-    {"stats", client_stats, METH_NOARGS, NULL},
-    {"health", client_health, METH_NOARGS, NULL},
+    {"hello", client_hello, METH_NOARGS,
+     "hello($self)\n--\n\n"
+     "Returns dict. What the daemon said in the handshake: version, server, instance, backend,"
+     " gpu (name, uuid, index; None on the CPU backend), heads, head_dim, slots, state_dtype "
+     "('f32' or 'bf16'), transports, slots_persist, features, limits (max_inline_bytes, "
+     "max_batch_tokens, max_seqs_per_request, max_slots_per_client, max_regions_per_client, "
+     "...)."},
+    {"stats", client_stats, METH_NOARGS,
+     "stats($self)\n--\n\n"
+     "Returns dict. The daemon's counters since it started (all connections): requests, "
+     "batches, seqs, tokens, latency_us, pool, errors, disconnects, transport_bytes "
+     "({inline|shm|cuda_ipc: {in, out}}), batch_us."},
+    {"health", client_health, METH_NOARGS,
+     "health($self)\n--\n\n"
+     "Returns dict. status ('ok' or 'draining'), uptime_us, queued, running."},
     {"_register_layer", (PyCFunction)(void (*)(void))client_register_layer, KW, NULL},
-    {"drop_layer", (PyCFunction)(void (*)(void))client_drop_layer, KW, NULL},
-    {"layers", client_layers, METH_NOARGS, NULL},
-    {"alloc_slots", (PyCFunction)(void (*)(void))client_alloc_slots, KW, NULL},
-    {"free_slots", (PyCFunction)(void (*)(void))client_free_slots, KW, NULL},
-    {"reset_slots", (PyCFunction)(void (*)(void))client_reset_slots, KW, NULL},
-    {"fork_slot", (PyCFunction)(void (*)(void))client_fork_slot, KW, NULL},
-    {"slot_info", (PyCFunction)(void (*)(void))client_slot_info, KW, NULL},
-    {"read_slot", (PyCFunction)(void (*)(void))client_read_slot, KW, NULL},
-    {"write_slot", (PyCFunction)(void (*)(void))client_write_slot, KW, NULL},
-    {"prefill", (PyCFunction)(void (*)(void))client_prefill, KW, NULL},
+    {"drop_layer", (PyCFunction)(void (*)(void))client_drop_layer, KW,
+     "drop_layer($self, name)\n--\n\n"
+     "Removes a layer registered by this uid. Raises UnknownLayer, PermissionDenied."},
+    {"layers", client_layers, METH_NOARGS,
+     "layers($self)\n--\n\n"
+     "Returns list[dict]. The daemon's layers: name, lower_bound, scale, source ('config' or "
+     "'client')."},
+    {"alloc_slots", (PyCFunction)(void (*)(void))client_alloc_slots, KW,
+     "alloc_slots($self, n=1, zero=True)\n--\n\n"
+     "Returns list[int]. Allocates n state slots (all or none): ready with a zero state at "
+     "position 0, or with zero=False empty (to be written, forked into, or prefilled with "
+     "fresh=True). Raises PoolFull (retryable), QuotaExceeded."},
+    {"free_slots", (PyCFunction)(void (*)(void))client_free_slots, KW,
+     "free_slots($self, handles)\n--\n\n"
+     "Frees slots (an int or an iterable of ints; all checked before any is freed); their "
+     "handles go stale. Raises UnknownSlot, StaleSlot, PermissionDenied."},
+    {"reset_slots", (PyCFunction)(void (*)(void))client_reset_slots, KW,
+     "reset_slots($self, handles)\n--\n\n"
+     "Resets slots to a zero state at position 0 (after the requests queued on them)."},
+    {"fork_slot", (PyCFunction)(void (*)(void))client_fork_slot, KW,
+     "fork_slot($self, src, dst=None)\n--\n\n"
+     "Returns (slot, pos). Copies src's state and position into dst, or into a new slot. "
+     "Raises StateLost, PoolFull, QuotaExceeded."},
+    {"slot_info", (PyCFunction)(void (*)(void))client_slot_info, KW,
+     "slot_info($self, handles=None)\n--\n\n"
+     "Returns list[dict]. slot, pos, status ('ready', 'empty', 'lost') and queued of the slots"
+     " given, or of every slot this client owns."},
+    {"read_slot", (PyCFunction)(void (*)(void))client_read_slot, KW,
+     "read_slot($self, handle, dtype=None, out=None, *, with_pos=False)\n--\n\n"
+     "Returns array. Snapshot of a slot's state [H, 128(v), 128(k)] (V-major) in dtype 'f32' "
+     "(float32) or 'bf16' (uint16 bits); default: the pool's. Into a new NumPy array, or into "
+     "out (host array or CUDA tensor, written in place). with_pos: returns (array, pos). "
+     "Raises StateLost, StaleSlot, ..."},
+    {"write_slot", (PyCFunction)(void (*)(void))client_write_slot, KW,
+     "write_slot($self, handle, state, pos=0, dtype=None)\n--\n\n"
+     "Restores a state [H, 128, 128] (float32, or bf16 as uint16; host array or CUDA tensor) "
+     "and a position into a slot, which becomes ready. dtype is needed only for raw bytes."},
+    {"prefill", (PyCFunction)(void (*)(void))client_prefill, KW,
+     "prefill($self, layer, seqs, *, sync=True)\n--\n\n"
+     "Returns list[dict]. Runs KDA prefill with the weights of layer over seqs, a list of "
+     "mappings, one per sequence: slot (handle), q, k, v, g (bf16 [len, H, 128]), beta (bf16 "
+     "[len, H]), and optionally out (bf16 [len, H, 128], written in place), fresh (start from "
+     "a zero state), expect_pos (fail with PositionMismatch unless the slot is there). Without"
+     " q a sequence has no tokens. All sequences run in one device launch, all or nothing. "
+     "Returns one dict per sequence: pos (the slot's new position) and out (the given out, a "
+     "new uint16 NumPy array, or None without tokens). Host arrays go inline, or through a "
+     "shared-memory staging buffer above inline_max; CUDA tensors go as regions of their "
+     "allocations (sync=True first waits for the current CUDA context's work). Raises "
+     "UnknownLayer, StaleSlot, PositionMismatch, StateLost, LimitExceeded, InvalidParams, "
+     "DeviceFailed, ..."},
     {"_submit_prefill", (PyCFunction)(void (*)(void))client_submit_prefill, KW, NULL},
     {"_progress", client_progress, METH_NOARGS, NULL},
     {"_events", client_events, METH_NOARGS, NULL},
-    {"fileno", client_fileno, METH_NOARGS, NULL},
+    {"fileno", client_fileno, METH_NOARGS,
+     "fileno($self)\n--\n\n"
+     "Returns int. The connection's socket, for an event loop (AsyncClient watches it). Never "
+     "read or write it."},
     {"_add_shared", client_add_shared, METH_VARARGS, NULL},
-    {"release_cuda_regions", (PyCFunction)(void (*)(void))client_release_cuda_regions, KW, NULL},
+    {"release_cuda_regions", (PyCFunction)(void (*)(void))client_release_cuda_regions, KW,
+     "release_cuda_regions($self, *, all=False)\n--\n\n"
+     "Returns int. Gives back the CUDA registrations whose allocation is gone (all=True: every"
+     " one, e.g. after torch.cuda.empty_cache()); returns how many. The client also does this "
+     "by itself when it meets new allocations."},
     {"_region_counts", client_region_counts, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -72,7 +72,7 @@ typedef struct ClientObject {
     uint32_t narenas, arenas_cap;
     cuda_entry *cuda;
     uint32_t ncuda, cuda_cap;
-    uint64_t use_clock;         /* advanced once per request: its tensors' registrations are pinned */
+    uint64_t use_clock;         /* advanced per request: its registrations are not evicted */
     uint64_t cuda_registered;   /* registrations made, for tests and tuning */
     uint64_t cuda_released;
     uint64_t last_us[4];        /* the last completed prefill: queue, run, device, kernel */

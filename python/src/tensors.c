@@ -510,7 +510,8 @@ static int parse_seq(ClientObject *self, PyObject *m, uint32_t i, request *r)
     char field[48];
     snprintf(field, sizeof(field), "seqs[%u]", i);
     if (!PyMapping_Check(m) || PyUnicode_Check(m)) {
-        PyErr_Format(PyExc_TypeError, "%s: a mapping (slot, q, k, v, g, beta, ...) expected", field);
+        PyErr_Format(PyExc_TypeError, "%s: a mapping (slot, q, k, v, g, beta, ...) expected",
+                     field);
         return -1;
     }
     kdac_seq *s = &r->seqs[i];
@@ -611,7 +612,8 @@ static int parse_seq(ClientObject *self, PyObject *m, uint32_t i, request *r)
     set_tensor(&s->v, &a[2]);
     set_tensor(&s->g, &a[3]);
     set_tensor(&s->beta, &a[4]);
-    s->out = a[5].host ? kdac_output_inline(a[5].ptr) : kdac_output_region(a[5].region, a[5].offset);
+    s->out = a[5].host ? kdac_output_inline(a[5].ptr)
+                       : kdac_output_region(a[5].region, a[5].offset);
     rc = 0;
 out:
     Py_XDECREF(slot);
