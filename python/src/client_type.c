@@ -337,9 +337,9 @@ static PyObject *client_register_layer(PyObject *o, PyObject *args, PyObject *kw
         return NULL;
     tensor_arg a = {0}, d = {0};
     PyObject *ret = NULL;
-    if (kp_tensor_resolve(self, alog, "A_log", KP_ELEM_F32, false, &a) != 0)
-        return NULL;
-    if (kp_tensor_resolve(self, dtb, "dt_bias", KP_ELEM_F32, false, &d) != 0)
+    kp_lock(self);
+    if (kp_tensor_resolve(self, alog, "A_log", KP_ELEM_F32, false, &a) != 0 ||
+        kp_tensor_resolve(self, dtb, "dt_bias", KP_ELEM_F32, false, &d) != 0)
         goto out;
     if (a.cuda || d.cuda) {
         PyErr_SetString(PyExc_TypeError, "A_log, dt_bias: host arrays (float32) expected");
@@ -355,11 +355,10 @@ static PyObject *client_register_layer(PyObject *o, PyObject *args, PyObject *kw
     bool created = false;
     kdac_error err;
     int rc;
-    kp_lock(self);
     KP_NOGIL(rc = kdac_layer_register(self->c, &L, &created, &err));
-    kp_unlock(self);
     ret = rc == 0 ? PyBool_FromLong(created) : kp_raise(&err);
 out:
+    kp_unlock(self);
     kp_tensor_release(&a);
     kp_tensor_release(&d);
     return ret;
@@ -602,64 +601,58 @@ static PyObject *client_read_slot(PyObject *o, PyObject *args, PyObject *kw)
     kdac_dtype dtype = self->state_dtype;
     if (dt != Py_None && parse_dtype(dt, &dtype) != 0)
         return NULL;
-    uint64_t bytes = kdac_state_bytes(self->heads, dtype);
-    request r = {0};
+    staging *stg = NULL;
     tensor_arg t = {0};
     PyObject *arr = NULL, *ret = NULL;
+    kp_lock(self);
     if (outo == Py_None) {
         Py_ssize_t shape[3] = {(Py_ssize_t)self->heads, KDAC_HEAD_DIM, KDAC_HEAD_DIM};
         arr = kp_new_array(shape, 3, dtype == KDAC_DTYPE_F32 ? "float32" : "uint16", &t.view);
         if (!arr)
-            return NULL;
+            goto out;
         t.have_view = true;
         t.host = true;
         t.ptr = t.view.buf;
-        t.nbytes = bytes;
+        t.nbytes = kdac_state_bytes(self->heads, dtype);
     } else {
         self->use_clock++;
         if (kp_tensor_resolve(self, outo, "out", KP_ELEM_STATE, true, &t) != 0)
-            return NULL;
+            goto out;
         arr = Py_NewRef(outo);
-        if (t.nbytes != bytes) {
-            PyErr_Format(PyExc_ValueError, "out: %llu bytes; [%u, 128, 128] %s is %llu",
-                         (unsigned long long)t.nbytes, self->heads, dtype_name(dtype),
-                         (unsigned long long)bytes);
-            goto out;
-        }
+        if (dt == Py_None && (t.elem == 2 || t.elem == 4)) /* the dtype of out */
+            dtype = t.elem == 4 ? KDAC_DTYPE_F32 : KDAC_DTYPE_BF16;
     }
-    kdac_output dst = kdac_output_inline(t.ptr);
-    kp_lock(self);
-    if (!t.host) {
-        dst = kdac_output_region(t.region, t.offset);
-    } else if (bytes > self->inline_max ||
-               bytes > kdac_client_info(self->c)->limits.max_inline_bytes) {
-        r.stg = kp_staging_get(self, bytes);
-        if (!r.stg) {
-            kp_unlock(self);
-            goto out;
-        }
-        dst = kdac_output_region(r.stg->region, 0);
-    }
-    if (t.cuda && kp_cuda_sync() != 0) {
-        kp_unlock(self);
+    uint64_t bytes = kdac_state_bytes(self->heads, dtype);
+    if (t.nbytes != bytes) {
+        PyErr_Format(PyExc_ValueError, "out: %llu bytes; [%u, 128, 128] %s is %llu",
+                     (unsigned long long)t.nbytes, self->heads, dtype_name(dtype),
+                     (unsigned long long)bytes);
         goto out;
     }
+    kdac_output dst = t.host ? kdac_output_inline(t.ptr) : kdac_output_region(t.region, t.offset);
+    if (t.host && (bytes > self->inline_max ||
+                   bytes > kdac_client_info(self->c)->limits.max_inline_bytes)) {
+        if (!(stg = kp_staging_get(self, bytes)))
+            goto out;
+        dst = kdac_output_region(stg->region, 0);
+    }
+    if (t.cuda && kp_cuda_sync() != 0)
+        goto out;
     uint64_t pos = 0;
     kdac_error err;
     int rc;
     KP_NOGIL(rc = kdac_slot_read(self->c, h, dtype, dst, &pos, &err));
-    if (r.stg) {
-        if (rc == 0)
-            memcpy(t.ptr, r.stg->shm.base, bytes);
-        r.stg->busy = false;
-    }
-    kp_unlock(self);
     if (rc != 0) {
         kp_raise(&err);
         goto out;
     }
+    if (stg)
+        memcpy(t.ptr, stg->shm.base, bytes);
     ret = with_pos ? Py_BuildValue("(OK)", arr, (unsigned long long)pos) : Py_NewRef(arr);
 out:
+    if (stg)
+        stg->busy = false;
+    kp_unlock(self);
     kp_tensor_release(&t);
     Py_XDECREF(arr);
     return ret;
@@ -674,20 +667,22 @@ static PyObject *client_write_slot(PyObject *o, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KO|KO", kwlist, &h, &st, &pos, &dt) ||
         kp_check_open(self))
         return NULL;
-    tensor_arg t;
+    kdac_dtype dtype;
+    if (dt != Py_None && parse_dtype(dt, &dtype) != 0)
+        return NULL;
+    staging *stg = NULL;
+    tensor_arg t = {0};
+    PyObject *ret = NULL;
+    kp_lock(self);
     self->use_clock++;
     if (kp_tensor_resolve(self, st, "state", KP_ELEM_STATE, false, &t) != 0)
-        return NULL;
-    PyObject *ret = NULL;
-    kdac_dtype dtype;
-    if (dt != Py_None) {
-        if (parse_dtype(dt, &dtype) != 0)
-            goto out;
-    } else if (t.elem == 4 || t.elem == 2) {
-        dtype = t.elem == 4 ? KDAC_DTYPE_F32 : KDAC_DTYPE_BF16;
-    } else {
-        PyErr_SetString(PyExc_ValueError, "dtype: needed for raw bytes ('f32' or 'bf16')");
         goto out;
+    if (dt == Py_None) {
+        if (t.elem != 2 && t.elem != 4) {
+            PyErr_SetString(PyExc_ValueError, "dtype: needed for raw bytes ('f32' or 'bf16')");
+            goto out;
+        }
+        dtype = t.elem == 4 ? KDAC_DTYPE_F32 : KDAC_DTYPE_BF16;
     }
     uint64_t bytes = kdac_state_bytes(self->heads, dtype);
     if (t.nbytes != bytes) {
@@ -697,33 +692,27 @@ static PyObject *client_write_slot(PyObject *o, PyObject *args, PyObject *kw)
         goto out;
     }
     kdac_tensor src = t.host ? kdac_tensor_inline(t.ptr) : kdac_tensor_region(t.region, t.offset);
-    staging *stg = NULL;
-    kp_lock(self);
     if (t.host && (bytes > self->inline_max ||
                    bytes > kdac_client_info(self->c)->limits.max_inline_bytes)) {
-        if (!(stg = kp_staging_get(self, bytes))) {
-            kp_unlock(self);
+        if (!(stg = kp_staging_get(self, bytes)))
             goto out;
-        }
         memcpy(stg->shm.base, t.ptr, bytes);
         src = kdac_tensor_region(stg->region, 0);
     }
-    if (t.cuda && kp_cuda_sync() != 0) {
-        kp_unlock(self);
+    if (t.cuda && kp_cuda_sync() != 0)
         goto out;
-    }
     kdac_error err;
     int rc;
     KP_NOGIL(rc = kdac_slot_write(self->c, h, pos, dtype, src, &err));
-    if (stg)
-        stg->busy = false;
-    kp_unlock(self);
     if (rc != 0) {
         kp_raise(&err);
         goto out;
     }
     ret = Py_NewRef(Py_None);
 out:
+    if (stg)
+        stg->busy = false;
+    kp_unlock(self);
     kp_tensor_release(&t);
     return ret;
 }

@@ -149,15 +149,17 @@ static int try_buffer(ClientObject *self, PyObject *obj, const char *field, kp_e
             {'f', "float32"}, {'d', "float64"}, {'e', "float16"}, {'i', "int32"},
             {'I', "uint32"}, {'l', "int64"}, {'q', "int64"}, {'?', "bool"}};
         const char *f = t->view.format ? t->view.format : "?";
-        char got[64];
-        snprintf(got, sizeof(got), "'%s'", f);
         if (*f == '<' || *f == '=' || *f == '@')
             f++;
         for (size_t i = 0; i < sizeof(NAMES) / sizeof(NAMES[0]); i++)
-            if (f[0] == NAMES[i].c && !f[1])
-                snprintf(got, sizeof(got), "%s", NAMES[i].name);
+            if (f[0] == NAMES[i].c && !f[1]) {
+                kp_tensor_release(t);
+                return type_error(field, want, NAMES[i].name);
+            }
+        /* A format this module does not know (ml_dtypes.bfloat16 ...): the coerce hook
+         * decides. */
         kp_tensor_release(t);
-        return type_error(field, want, got);
+        return 0;
     }
     t->ptr = t->view.buf;
     t->nbytes = (uint64_t)t->view.len;
