@@ -230,6 +230,21 @@ class ApiTest(unittest.TestCase):
         b = self.c.prefill("L", [dict(x, slot=s2)])[0]["out"]
         np.testing.assert_array_equal(a, b)
 
+    @unittest.skipUnless(__import__("importlib").util.find_spec("torch"), "no PyTorch")
+    def test_torch_cpu_tensors(self):
+        """torch.bfloat16 host tensors through DLPack, out written in place."""
+        import torch
+        s1, s2 = self.c.alloc_slots(2)
+        x = self.seq(12)
+        t = {n: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for n, a in x.items()}
+        out = torch.empty((12, H, 128), dtype=torch.bfloat16)
+        r = self.c.prefill("L", [dict(t, slot=s1, out=out)])
+        self.assertIs(r[0]["out"], out)
+        ref = self.c.prefill("L", [dict(x, slot=s2)])[0]["out"]
+        np.testing.assert_array_equal(out.view(torch.int16).numpy().view(np.uint16), ref)
+        with self.assertRaisesRegex(TypeError, r"seqs\[0\]\.v: .*DLPack code 2, 32 bits"):
+            self.c.prefill("L", [dict(t, slot=s1, v=torch.zeros((12, H, 128)))])
+
     def test_threads_share_a_client(self):
         slots = self.c.alloc_slots(4)
         xs = [self.seq(50) for _ in slots]
