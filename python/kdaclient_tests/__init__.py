@@ -76,8 +76,9 @@ class Daemon:
                 return self
             except kdaclient.Error:
                 time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("kdad did not start:\n" + self.read_log())
+        log = self.read_log()
+        self.stop(check=False)
+        raise RuntimeError("kdad did not start:\n" + log)
 
     def read_log(self):
         try:
@@ -86,7 +87,9 @@ class Daemon:
         except OSError:
             return ""
 
-    def stop(self):
+    def stop(self, check=True):
+        """SIGTERM and wait for the drain.  check: raise unless kdad exited 0 (a sanitizer's
+        report, a crash, a drain that hung)."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -94,7 +97,10 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        log = self.read_log()
         shutil.rmtree(self.dir, ignore_errors=True)
+        if check and self.proc and self.proc.returncode != 0:
+            raise RuntimeError("kdad exited with %s:\n%s" % (self.proc.returncode, log[-4000:]))
 
     def connect(self, **kw):
         kw.setdefault("timeout", 120)

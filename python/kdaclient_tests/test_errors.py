@@ -247,7 +247,7 @@ class ConnectionErrorsTest(unittest.TestCase):
             self.assertTrue(cm.exception.retryable)
             c.close()
         finally:
-            d.stop()
+            d.stop(check=False)   # killed on purpose
 
 
 if __name__ == "__main__":

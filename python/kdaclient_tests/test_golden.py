@@ -16,9 +16,15 @@ class GoldenTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        for d in cls.daemons.values():
-            d.stop()
-        cls.daemons = {}
+        daemons, cls.daemons = list(cls.daemons.values()), {}
+        errors = []
+        for d in daemons:
+            try:
+                d.stop()
+            except RuntimeError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def daemon(self, heads):
         if heads not in self.daemons:
