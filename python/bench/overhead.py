@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Per-call overhead of the Python API over libkdaclient: the same blocking prefill (one
 sequence of T tokens, inline tensors, fresh), same daemon, same transport, timed from C
-(prefill_loop.c) and from Python, in alternating rounds; prints the p50 latency of each, the
-calling thread's CPU time per call (what the client itself spends: steadier than latency on
-a loaded machine), and the differences.
+(prefill_loop.c) and from Python, alternating in blocks of --block calls so that load and
+drift hit all alike; prints the p50 latency of each, the calling thread's CPU time per call
+(what the client itself spends: steadier than latency on a loaded machine), and the
+differences.
 
     python3 python/bench/overhead.py --kdad build/daemon/kdad --build build [--heads 32]
 """
@@ -33,24 +34,48 @@ def build_c(build):
     return exe
 
 
-def py_loop(c, T, H, calls, out_given):
-    rng = np.random.default_rng(0)
-    x = {n: kdaclient.to_bf16(rng.standard_normal((T, H, 128))) for n in "qkvg"}
-    x["beta"] = np.zeros((T, H), np.uint16)
-    slot, = c.alloc_slots(1)
-    seq = dict(x, slot=slot, fresh=True)
-    if out_given:
-        seq["out"] = np.empty((T, H, 128), np.uint16)
-    seqs = [seq]
-    wall, cpu = [], []
-    for _ in range(calls):
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        c.prefill("bench.overhead", seqs)
-        c1 = time.thread_time_ns()
-        wall.append(time.perf_counter_ns() - t0)
-        cpu.append(c1 - c0)
-    c.free_slots([slot])
-    return wall[100:], cpu[100:]
+class PyLoop:
+    def __init__(self, c, T, H, out_given):
+        rng = np.random.default_rng(0)
+        x = {n: kdaclient.to_bf16(rng.standard_normal((T, H, 128))) for n in "qkvg"}
+        x["beta"] = np.zeros((T, H), np.uint16)
+        slot, = c.alloc_slots(1)
+        seq = dict(x, slot=slot, fresh=True)
+        if out_given:
+            seq["out"] = np.empty((T, H, 128), np.uint16)
+        self.c, self.seqs = c, [seq]
+
+    def run(self, calls):
+        wall, cpu = [], []
+        for _ in range(calls):
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            self.c.prefill("bench.overhead", self.seqs)
+            c1 = time.thread_time_ns()
+            wall.append(time.perf_counter_ns() - t0)
+            cpu.append(c1 - c0)
+        return wall, cpu
+
+
+class CLoop:
+    def __init__(self, exe, sock, T):
+        self.p = subprocess.Popen([exe, sock, str(T)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+
+    def run(self, calls):
+        self.p.stdin.write("%d\n" % calls)
+        self.p.stdin.flush()
+        wall, cpu = [], []
+        for line in self.p.stdout:
+            if line.startswith("done"):
+                return wall, cpu
+            w, c = line.split()
+            wall.append(int(w))
+            cpu.append(int(c))
+        raise RuntimeError("prefill_loop ended")
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait()
 
 
 def main():
@@ -59,8 +84,8 @@ def main():
     ap.add_argument("--build", default=os.path.join(REPO, "build"))
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--tokens", default="1,64")
-    ap.add_argument("--calls", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=5000, help="calls per variant")
+    ap.add_argument("--block", type=int, default=50, help="calls per turn")
     args = ap.parse_args()
     os.environ["KDAD_BIN"] = args.kdad
     exe = build_c(args.build)
@@ -70,24 +95,25 @@ def main():
             c.register_layer("bench.overhead", np.zeros(args.heads), np.zeros((args.heads, 128)),
                              -5.0)
             for T in (int(t) for t in args.tokens.split(",")):
-                res = {k: ([], []) for k in ("C", "Python", "Python, out given")}
-                for _ in range(args.rounds):   # alternate, so drift hits all alike
-                    p = subprocess.run([exe, d.sock, str(T), str(args.calls)], check=True,
-                                       capture_output=True, text=True)
-                    rows = [tuple(map(int, l.split())) for l in p.stdout.splitlines()[100:]]
-                    got = {"C": ([r[0] for r in rows], [r[1] for r in rows]),
-                           "Python": py_loop(c, T, args.heads, args.calls, False),
-                           "Python, out given": py_loop(c, T, args.heads, args.calls, True)}
-                    for k, (wall, cpu) in got.items():
-                        res[k][0].append(statistics.median(wall))
-                        res[k][1].append(statistics.mean(cpu))
+                loops = {"C": CLoop(exe, d.sock, T),
+                         "Python": PyLoop(c, T, args.heads, False),
+                         "Python, out given": PyLoop(c, T, args.heads, True)}
+                res = {k: ([], []) for k in loops}
+                for k, lp in loops.items():       # warm up
+                    lp.run(args.block)
+                for _ in range(args.calls // args.block):
+                    for k, lp in loops.items():
+                        w, cp = lp.run(args.block)
+                        res[k][0].extend(w)
+                        res[k][1].extend(cp)
+                loops["C"].close()
                 base_w = statistics.median(res["C"][0])
                 base_c = statistics.median(res["C"][1])
-                print("H=%d T=%d inline, %d calls x %d rounds (median over rounds):"
-                      % (args.heads, T, args.calls, args.rounds))
+                print("H=%d T=%d inline, %d calls each, alternating in blocks of %d:"
+                      % (args.heads, T, len(res["C"][0]), args.block))
                 for k, (w, cp) in res.items():
                     mw, mc = statistics.median(w), statistics.median(cp)
-                    print("  %-18s latency p50 %7.1f us (%+6.1f)   client CPU/call %6.1f us "
+                    print("  %-18s latency p50 %7.1f us (%+6.1f)   client CPU p50 %6.1f us "
                           "(%+5.1f)" % (k, mw / 1e3, (mw - base_w) / 1e3, mc / 1e3,
                                         (mc - base_c) / 1e3))
     finally:

@@ -23,12 +23,12 @@ static long long clock_ns(clockid_t id)
 
 int main(int argc, char **argv)
 {
-    if (argc != 4) {
-        fprintf(stderr, "usage: prefill_loop SOCKET TOKENS CALLS\n");
+    if (argc != 3) {
+        fprintf(stderr, "usage: prefill_loop SOCKET TOKENS\n");
         return 2;
     }
     uint32_t T = (uint32_t)atoi(argv[2]);
-    int calls = atoi(argv[3]);
+    int calls;
     kdac_options o;
     kdac_options_init(&o);
     o.socket_path = argv[1];
@@ -59,14 +59,18 @@ int main(int argc, char **argv)
     s.q = s.k = s.v = s.g = kdac_tensor_inline(in);
     s.beta = kdac_tensor_inline(beta);
     s.out = kdac_output_inline(out);
-    for (int i = 0; i < calls; i++) {
-        long long t0 = clock_ns(CLOCK_MONOTONIC), c0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
-        if (kdac_prefill(c, "bench.overhead", &s, 1, NULL, &err) != 0) {
-            fprintf(stderr, "prefill: %s\n", err.message);
-            return 1;
+    while (scanf("%d", &calls) == 1) {
+        for (int i = 0; i < calls; i++) {
+            long long t0 = clock_ns(CLOCK_MONOTONIC), c0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+            if (kdac_prefill(c, "bench.overhead", &s, 1, NULL, &err) != 0) {
+                fprintf(stderr, "prefill: %s\n", err.message);
+                return 1;
+            }
+            long long c1 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+            printf("%lld %lld\n", clock_ns(CLOCK_MONOTONIC) - t0, c1 - c0);
         }
-        long long c1 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
-        printf("%lld %lld\n", clock_ns(CLOCK_MONOTONIC) - t0, c1 - c0);
+        printf("done\n");
+        fflush(stdout);
     }
     kdac_client_close(c);
     return 0;
