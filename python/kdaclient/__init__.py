@@ -67,8 +67,7 @@ for _name, _code, _retryable, _msg in _kdaclient.error_table():
     _classes[_code] = _cls
 del _name, _code, _retryable, _msg, _cls
 
-_BF16 = 0
-_F32 = 1
+_BF16 = 0   # the extension's kp_elem for bf16 fields
 
 
 def _coerce(obj, field, elem):
