@@ -38,6 +38,7 @@ enum {
     ATTR_RANGE_SIZE = 12,
     ATTR_MAPPING_SIZE = 18,
     ATTR_MAPPING_BASE = 19,
+    ATTR_MEMORY_BLOCK_ID = 20,
 };
 #define MEMORYTYPE_DEVICE 2
 #define HANDLE_TYPE_POSIX_FD 1
@@ -130,7 +131,7 @@ static void entry_drop(ClientObject *self, uint32_t i)
 static bool entry_alive(const cuda_entry *e)
 {
     unsigned long long id = 0;
-    int attr = ATTR_BUFFER_ID;
+    int attr = e->vmm ? ATTR_MEMORY_BLOCK_ID : ATTR_BUFFER_ID;
     void *data = &id;
     return cu.PointerGetAttributes(1, &attr, &data, e->base) == 0 && id == e->buffer_id;
 }
@@ -244,15 +245,21 @@ int kp_cuda_region(ClientObject *self, uint64_t ptr, uint64_t nbytes, const char
                            field, d);
     }
     if (!ipc) {
-        /* A VMM mapping: the region is the physical allocation mapped here. */
-        unsigned long long mbase = 0;
+        /* A VMM mapping: the region is the physical allocation mapped here, and its
+         * identity that allocation's (the same addresses may map another one later, as
+         * expandable segments do when they shrink and grow). */
+        unsigned long long mbase = 0, block = 0;
         size_t msize = 0;
-        int a2[2] = {ATTR_MAPPING_BASE, ATTR_MAPPING_SIZE};
-        void *d2[2] = {&mbase, &msize};
-        if (cu.PointerGetAttributes(2, a2, d2, ptr) == 0 && msize) {
-            start = mbase;
-            size = msize;
-        }
+        int a2[3] = {ATTR_MAPPING_BASE, ATTR_MAPPING_SIZE, ATTR_MEMORY_BLOCK_ID};
+        void *d2[3] = {&mbase, &msize, &block};
+        if (cu.PointerGetAttributes(3, a2, d2, ptr) != 0 || !msize || !block)
+            return local_error(KDAC_E_NOT_SUPPORTED,
+                               "%s: a VMM mapping, and this CUDA driver does not report %s "
+                               "(CUDA 12.2 or later does)", field,
+                               "its physical allocation");
+        start = mbase;
+        size = msize;
+        id = block;
     }
     if (ptr + nbytes > start + size) {
         char d[128];
@@ -271,7 +278,7 @@ int kp_cuda_region(ClientObject *self, uint64_t ptr, uint64_t nbytes, const char
     }
     for (uint32_t i = 0; i < self->ncuda; i++) {
         cuda_entry *e = &self->cuda[i];
-        if (e->buffer_id == id && e->base == start) {
+        if (e->buffer_id == id && e->base == start && e->vmm == !ipc) {
             e->last_use = self->use_clock;
             *region = e->region;
             *offset = ptr - start;
@@ -320,7 +327,7 @@ int kp_cuda_region(ClientObject *self, uint64_t ptr, uint64_t nbytes, const char
     uint32_t reg;
     if (cuda_register(self, ptr, start, size, ipc != 0, ordinal, field, &reg) != 0)
         return -1;
-    self->cuda[self->ncuda++] = (cuda_entry){id, start, size, reg, self->use_clock};
+    self->cuda[self->ncuda++] = (cuda_entry){id, start, size, reg, self->use_clock, !ipc};
     *region = reg;
     *offset = ptr - start;
     return 0;

@@ -50,11 +50,13 @@ typedef struct arena {
 
 /* One registered CUDA allocation. */
 typedef struct cuda_entry {
-    uint64_t buffer_id; /* CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation */
+    uint64_t buffer_id; /* CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation (VMM:
+                           MEMORY_BLOCK_ID, the physical allocation's) */
     uint64_t base;      /* the allocation's first byte */
     uint64_t size;
     uint32_t region;
     uint64_t last_use;  /* the client's use clock, for LRU eviction */
+    bool vmm;           /* registered by POSIX fd (a VMM mapping), not an IPC handle */
 } cuda_entry;
 
 typedef struct ClientObject {
