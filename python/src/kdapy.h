@@ -29,7 +29,7 @@
 /* Host arrays of a request go through staging above this many bytes in and
  * out together (or above the daemon's max_inline_bytes, whichever is less). */
 #define KP_DEFAULT_INLINE_MAX (4u << 20)
-/* Regions the client keeps for itself (staging, a frame ring): the CUDA cache
+/* Regions the client keeps for itself (staging buffers, a spare): the CUDA cache
  * evicts before it would take these from max_regions_per_client. */
 #define KP_REGIONS_RESERVED (KP_STAGING_MAX + 1)
 
