@@ -22,6 +22,6 @@ for _ in $(seq 600); do
   [ -S "$dir/kdad.sock" ] && break
   sleep 0.1
 done
-"$py" ../examples/kimi_linear_stack.py --socket "$dir/kdad.sock" --device cuda --d-model 1024 \
-  --layers 4 --prompts 1024,700,300,64 --chunk 128 --steps 8 || status=1
+"$py" ../examples/kimi_linear_stack.py --socket "$dir/kdad.sock" --device cuda --d-model 512 \
+  --layers 4 --prompts 512,300,100,17 --chunk 64 --steps 8 || status=1
 exit $status
