@@ -15,9 +15,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # Py_LIMITED_API 3.11: the buffer protocol joined the stable ABI there.
 LIMITED_API = 0x030B0000
-PROTO_SOURCES = ["errors.c", "session.c", "frame.c", "writer.c", "decode.c", "messages.c",
-                 "slots.c", "prefill.c", "prefill_read.c", "ring.c"]
-CLIENT_SOURCES = ["calls.c", "client.c", "errors.c", "io.c", "shm.c"]
+
+
+def kda_proto_sources():
+    """kda_proto's sources, as proto/CMakeLists.txt lists them (one list to keep)."""
+    with open(os.path.join(ROOT, "proto", "CMakeLists.txt")) as f:
+        text = f.read()
+    return re.search(r"add_library\(kda_proto STATIC([^)]*)\)", text).group(1).split()
+
+
+PROTO_SOURCES = kda_proto_sources()
+CLIENT_SOURCES = sorted(f for f in os.listdir(os.path.join(ROOT, "client", "src")) if f.endswith(".c"))
 MODULE_SOURCES = ["module.c", "client_type.c", "tensors.c", "cuda.c", "results.c"]
 MSGPACK_ARCHIVES = ["/usr/lib/x86_64-linux-gnu/libmsgpackc.a",
                     "/usr/lib/aarch64-linux-gnu/libmsgpackc.a", "/usr/lib/libmsgpackc.a"]
@@ -50,7 +58,7 @@ ext = Extension(
     + [rel(ROOT, "client", "src", s) for s in CLIENT_SOURCES]
     + [rel(ROOT, "proto", s) for s in PROTO_SOURCES],
     include_dirs=[os.path.join(ROOT, "client", "include"), os.path.join(ROOT, "client", "src"),
-                  os.path.join(ROOT, "proto")],
+                  os.path.join(ROOT, "proto"), os.path.join(ROOT, "proto", "private")],
     define_macros=[("Py_LIMITED_API", hex(LIMITED_API)), ("KDAC_STATIC", "1")],
     extra_compile_args=["-std=gnu11", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
                         "-Wno-sign-compare", "-Wno-missing-field-initializers"],
