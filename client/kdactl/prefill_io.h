@@ -1,6 +1,6 @@
 /*
  * prefill_io.h - kdactl's tensor files: layer weights, the golden-vector
- * input format (../shared/golden/README.md: q, k, v, g, beta, A_log,
+ * input format (docs/kda.md, "Golden vectors": q, k, v, g, beta, A_log,
  * dt_bias, cu_seqlens, optional initial_state, metadata lower_bound and
  * scale), synthetic inputs drawn like the golden ones, and the output file
  * (out BF16 [T, H, 128], final_state F32 [N, H, 128, 128], cu_seqlens).
