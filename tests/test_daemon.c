@@ -27,7 +27,7 @@
 #include "daemon_harness.h"
 #include "safetensors.h"
 
-#define OUT_TOL 0.005   /* KDA.md: output rel RMS error against the oracle */
+#define OUT_TOL 0.005   /* docs/kda.md: output rel RMS error against the oracle */
 #define STATE_TOL 0.005 /* final state */
 
 static const char base_yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n";
