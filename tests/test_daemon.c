@@ -109,7 +109,7 @@ static void test_hello_and_layers(void **unused)
     kp_hello_result hr;
     assert_int_equal(kp_hello_result_decode(&c.msg, &hr, NULL), KP_OK);
     assert_int_equal(hr.version, 1);
-    assert_string_equal(hr.server, "kdad 0.1.0");
+    assert_string_equal(hr.server, "kdad " KDAD_VERSION);
     assert_int_equal(hr.backend, strcmp(DH_BACKEND, "cuda") == 0 ? KP_BACKEND_CUDA : KP_BACKEND_CPU);
     assert_int_equal(hr.has_gpu, strcmp(DH_BACKEND, "cuda") == 0);
     assert_int_equal(hr.geometry.heads, DH_HEADS);
