@@ -19,7 +19,16 @@ static const char layer_help[] =
     "daemon-wide and stay until dropped.  register reads A_log and dt_bias from a\n"
     "safetensors FILE (a golden-vector file works); lower_bound and scale default to\n"
     "the file's metadata, else -5 and 1/sqrt(128).  Registering an identical layer\n"
-    "again is harmless; a different one under a taken name is refused.\n";
+    "again is harmless; a different one under a taken name is refused.\n"
+    "\n"
+    "Options:\n"
+    "  -w, --weights FILE    safetensors file with A_log and dt_bias (register)\n"
+    "      --lower-bound X   the gate floor, in [-5, 0) (register)\n"
+    "      --scale X         the output scale (register)\n"
+    "\n"
+    "Examples:\n"
+    "  kdactl layer register model.layers.3.kda --weights layer3.safetensors\n"
+    "  kdactl --json layer list\n";
 
 static int layer_list(ctl *g, kdac_client *c)
 {

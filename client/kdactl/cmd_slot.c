@@ -30,7 +30,20 @@ static const char slot_help[] =
     "restores such a file into HANDLE, or into a new slot; info shows position,\n"
     "status and queue (of every slot you own when no handle is given).\n"
     "When the daemon does not persist slots (see 'kdactl hello'), slots live only as\n"
-    "long as kdactl's connection.\n";
+    "long as kdactl's connection.  --json prints handles as strings (\"0x...\").\n"
+    "\n"
+    "Options:\n"
+    "  -n, --count N     slots to allocate (alloc; default 1)\n"
+    "  -e, --empty       allocate slots without a state (alloc)\n"
+    "      --dst HANDLE  fork into this slot instead of a new one (fork)\n"
+    "  -o, --output FILE where save writes the state\n"
+    "  -i, --input FILE  the state file load reads\n"
+    "      --dtype T     the dtype save writes: f32 (fp32, float32; default) or bf16\n"
+    "                    (bfloat16)\n"
+    "\n"
+    "Examples:\n"
+    "  kdactl slot alloc --count 4\n"
+    "  kdactl slot save 0x5f3a000000000001 --output s.safetensors --dtype bf16\n";
 
 /* The handles args[0..n), parsed. */
 static int parse_handles(char **args, int n, uint64_t *out)
