@@ -200,7 +200,7 @@ int ctl_connect(const ctl *g, kdac_client **c)
     snprintf(name, sizeof(name), "kdactl/%s", kdac_version_string());
     o.client_name = name;
     kdac_error err;
-    int rc = kdac_client_open(c, &o, &err);
+    int rc = CTL_RETRYING(g, "connect", err, kdac_client_open(c, &o, &err)); /* e.g. BUSY */
     if (rc == KDAC_OK)
         return EXIT_OK;
     if (rc == KDAC_E_UNSUPPORTED_VERSION)
