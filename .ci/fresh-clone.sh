@@ -16,19 +16,20 @@ cd "$tmp/kdad"
 unset KDAD_GOLDEN_DIR
 [ -z "$(ls -A "$tmp" | grep -v '^kdad$')" ] || { echo "fresh-clone: $tmp is not empty" >&2; exit 1; }
 
-step() {   # step NAME COMMAND...: runs it, logs to $tmp/NAME.log, prints the time
+log() { echo "$tmp/log-${1//[^A-Za-z0-9]/_}"; }
+step() {   # step NAME COMMAND...: runs it, logs to $(log NAME), prints the time
   local name=$1 t0 rc=0; shift
   t0=$(date +%s)
-  "$@" >"$tmp/$name.log" 2>&1 || rc=$?
+  "$@" >"$(log "$name")" 2>&1 || rc=$?
   printf 'fresh-clone: %-28s %4ds  exit %d\n' "$name" $(($(date +%s) - t0)) "$rc"
   if [ "$rc" -ne 0 ]; then
-    tail -40 "$tmp/$name.log" >&2
+    tail -40 "$(log "$name")" >&2
     exit 1
   fi
 }
 
 step "scripts/quickstart.sh" scripts/quickstart.sh
-grep -q "kdad drained and exited with status 0" "$tmp/scripts/quickstart.sh.log" ||
+grep -q "kdad drained and exited with status 0" "$(log scripts/quickstart.sh)" ||
   { echo "fresh-clone: the quickstart did not end with kdad's clean exit" >&2; exit 1; }
 step "DESTDIR=... cmake --install" env DESTDIR="$tmp/root" cmake --install build
 for f in usr/local/sbin/kdad usr/local/bin/kdactl usr/local/include/kdaclient.h \
