@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include <yaml.h>
@@ -281,6 +282,12 @@ static int set_scalar(kd_config *c, const key_spec *k, const char *s, kd_conf_ma
         return 0;
     }
     case K_ENUM:
+        if (k->choices == dtype_choices) {   /* the usual spellings of the two dtypes */
+            if (!strcasecmp(s, "fp32") || !strcasecmp(s, "float32") || !strcasecmp(s, "F32"))
+                s = "f32";
+            else if (!strcasecmp(s, "bfloat16") || !strcasecmp(s, "BF16"))
+                s = "bf16";
+        }
         for (int i = 0; k->choices[i]; i++) {
             if (k->choices[i][0] && strcmp(s, k->choices[i]) == 0) {
                 *(int *)((char *)c + k->offset) = i;
@@ -907,4 +914,112 @@ const char *kd_config_socket_path(const kd_config *c, char *buf, size_t size)
     else
         snprintf(buf, size, "/run/kdad/kdad.sock");
     return buf;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Printing (kdad --print-config)                                         */
+/* ---------------------------------------------------------------------- */
+
+static void print_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; s && *s; s++) {
+        if (*s == '"' || *s == '\\')
+            fputc('\\', f);
+        fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
+static void print_origin(FILE *f, kd_conf_mark m)
+{
+    if (!m.file || strcmp(m.file, KD_BUILTIN_CONFIG_NAME) == 0)
+        fputs("  # built-in\n", f);
+    else if (m.line > 0)
+        fprintf(f, "  # %s:%d\n", m.file, m.line);
+    else
+        fprintf(f, "  # %s\n", m.file);
+}
+
+static void print_ids(FILE *f, const uint32_t *ids, uint32_t n)
+{
+    fputc('[', f);
+    for (uint32_t i = 0; i < n; i++)
+        fprintf(f, "%s%u", i ? ", " : "", ids[i]);
+    fputc(']', f);
+}
+
+static void print_value(FILE *f, const kd_config *c, const key_spec *k)
+{
+    const char *at = (const char *)c + k->offset;
+    switch (k->type) {
+    case K_STR:
+        print_string(f, *(char *const *)at);
+        break;
+    case K_U32:
+        fprintf(f, "%u", *(const uint32_t *)at);
+        break;
+    case K_SIZE:
+        fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)at);
+        break;
+    case K_BOOL:
+        fputs(*(const bool *)at ? "true" : "false", f);
+        break;
+    case K_MODE:
+        fprintf(f, "0%o", *(const uint32_t *)at);
+        break;
+    case K_ENUM:
+        fputs(k->choices[*(const int *)at], f);
+        break;
+    case K_UID_LIST:
+    case K_GID_LIST:
+        print_ids(f, *(uint32_t *const *)at, *(const uint32_t *)((const char *)c + k->count_off));
+        break;
+    case K_BUCKETS:
+        print_ids(f, (const uint32_t *)at, *(const uint32_t *)((const char *)c + k->count_off));
+        break;
+    case K_LAYERS:
+        break;
+    }
+}
+
+void kd_config_print(const kd_config *c, FILE *f)
+{
+    fputs("# kdad's effective configuration: the built-in file, then --config FILE, then the\n"
+          "# flags; each key says where its value came from.  Sizes in bytes.\n", f);
+    const char *section = NULL;
+    size_t section_len = 0;
+    for (size_t i = 0; i < NKEYS; i++) {
+        const key_spec *k = &schema[i];
+        const char *dot = strchr(k->path, '.');
+        size_t len = dot ? (size_t)(dot - k->path) : 0;
+        if (len != section_len || (len && strncmp(section, k->path, len) != 0)) {
+            if (len)
+                fprintf(f, "%.*s:\n", (int)len, k->path);
+            section = k->path;
+            section_len = len;
+        }
+        const char *name = len ? k->path + len + 1 : k->path;
+        if (k->type == K_LAYERS) {
+            fprintf(f, "%s:%s", name, c->nlayers ? "" : " []");
+            print_origin(f, c->marks[i]);
+            for (uint32_t j = 0; j < c->nlayers; j++) {
+                const kd_layer_conf *l = &c->layers[j];
+                fputs("  - name: ", f);
+                print_string(f, l->name);
+                print_origin(f, l->mark);
+                fputs("    file: ", f);
+                print_string(f, l->file);
+                fputs("\n    A_log: ", f);
+                print_string(f, l->a_log_tensor);
+                fputs("\n    dt_bias: ", f);
+                print_string(f, l->dt_bias_tensor);
+                fprintf(f, "\n    lower_bound: %.9g\n    scale: %.9g\n", l->lower_bound, l->scale);
+            }
+            continue;
+        }
+        fprintf(f, "%s%s: ", len ? "  " : "", name);
+        print_value(f, c, k);
+        print_origin(f, c->marks[i]);
+    }
 }

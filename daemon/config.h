@@ -17,6 +17,8 @@
 #include <stdint.h>
 
 #include "defaults.h"
+#include <stdio.h>
+
 #include "kdaproto.h"
 #include "log.h"
 
@@ -137,6 +139,9 @@ int kd_config_load_text(kd_config *cfg, const char *name, const char *text, size
                         char *err, size_t errlen);
 
 void kd_config_free(kd_config *cfg);
+/* Writes the configuration as YAML kdad reads back, every key with where its value came
+ * from (the built-in file, FILE:LINE, or a flag) as a comment: `kdad --print-config`. */
+void kd_config_print(const kd_config *cfg, FILE *f);
 
 /* The socket path in force: socket_path, or the default described above. */
 const char *kd_config_socket_path(const kd_config *cfg, char *buf, size_t size);

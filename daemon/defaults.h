@@ -11,7 +11,7 @@
 #ifndef KDAD_DEFAULTS_H
 #define KDAD_DEFAULTS_H
 
-#define KD_VERSION_STRING "0.1.0"          /* fixed: hello's "server" is "kdad " this */
+#define KD_VERSION_STRING KDAD_VERSION     /* from kdaclient.h, through CMake; hello's "server" is "kdad " this */
 
 /* Exit codes of kdad (documented in docs/daemon.md). */
 #define KD_EXIT_OK 0

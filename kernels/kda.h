@@ -2,7 +2,7 @@
  * kda.h - the prefill contract between kdad and every KDA backend.
  *
  * One call runs a packed, variable-length prefill of Kimi Delta Attention
- * (../docs/KDA.md: the exact math) for any number of sequences.  Each
+ * (docs/kda.md: the exact math) for any number of sequences.  Each
  * sequence names its own tensors (so sequences may live in one packed buffer
  * or in different buffers), its length, its layer weights and a slot of the
  * state pool.  The slot is both the initial and the final state: backends

@@ -41,8 +41,9 @@ layout)
   [ ! -e "$dest/usr/bin/kdad" ] || fail "kdad belongs in sbin, not bin"
   for f in usr/include/kdaclient.h etc/kdad/kdad.yaml usr/share/man/man8/kdad.8 \
            usr/share/man/man1/kdactl.1 usr/share/doc/kdad/daemon.md \
-           usr/share/doc/kdad/client.md usr/share/doc/kdad/PROTOCOL.md \
-           usr/share/doc/kdad/kdad.yaml; do
+           usr/share/doc/kdad/client.md usr/share/doc/kdad/kda.md usr/share/doc/kdad/PROTOCOL.md \
+           usr/share/doc/kdad/kdad.yaml usr/share/bash-completion/completions/kdactl \
+           usr/share/zsh/vendor-completions/_kdactl; do
     [ -f "$dest/$f" ] || fail "$f is not installed"
   done
   pc=$(find "$dest/usr" -name kdaclient.pc)

@@ -343,7 +343,7 @@ static void test_error_table(void **state)
     assert_string_equal(kdac_strerror(-77), "unknown error code");
     assert_false(kdac_err_retryable(-77));
     assert_int_equal(kdac_version(), KDAC_VERSION_HEX);
-    assert_string_equal(kdac_version_string(), "0.1.0");
+    assert_string_equal(kdac_version_string(), KDAD_VERSION);
 }
 
 int main(void)

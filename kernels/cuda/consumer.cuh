@@ -8,7 +8,7 @@
  * of a 64 x N accumulator, warp w holds rows 16w + g and 16w + g + 8
  * (g = lane / 4) and, per 8-column tile n, columns 8n + 2(lane % 4) + {0, 1}.
  *
- * Per chunk (V-major state S[v][k], KDA.md "Chunked form"; the operands are
+ * Per chunk (V-major state S[v][k], docs/kda.md, "Chunks"; the operands are
  * built from raw q and k, with the norms as per-token factors: smem.cuh):
  *   1  S = S diag(e^c), then [P | O1]^T = S . [kd | qd]^T
  *                                                     m64 n64 k128   A: state, registers

@@ -41,9 +41,13 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
 {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0)
-        return kda_fail(err, KDA_ENOTSUP, "no CUDA device (%s)",
-                        e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+    if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice || (e == cudaSuccess && count == 0))
+        return kda_fail(err, KDA_ENOTSUP, "no GPU: %s",
+                        e == cudaErrorInsufficientDriver
+                            ? "no NVIDIA driver is loaded, or it is older than this CUDA runtime"
+                            : "the NVIDIA driver sees no device");
+    if (e != cudaSuccess)
+        return cuda_fail(err, e, "cudaGetDeviceCount");
     if (device < 0 || device >= count)
         return kda_fail(err, KDA_ENOTSUP, "CUDA device %d does not exist (%d present)", device, count);
     cudaDeviceProp prop;

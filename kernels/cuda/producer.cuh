@@ -13,7 +13,7 @@
  *
  * Per chunk n (C = 32 tokens of one (sequence, head)), with c the gate prefix
  * sum at the chunk's middle token (per key dim) so every exponent below stays
- * within e^+-80 (KDA.md, "Range").  In the elementwise passes thread p
+ * within e^+-80 (docs/kda.md, "Chunks").  In the elementwise passes thread p
  * (0..127) of the warpgroup owns key dims 4 (p % 32) .. + 3 over quarter
  * chunk p / 32 (8 tokens):
  *

@@ -1,7 +1,7 @@
 /*
  * test_cuda_kernel.cu - the fused kernel (kda_cuda.h) on the GPU.
  *
- *   golden cases       every ../shared/golden case, fp32 and bf16 pools
+ *   golden cases       every golden case (docs/kda.md), fp32 and bf16 pools
  *   random workloads   the six standard shapes, fresh seeds, outputs poisoned,
  *                      against the float64 oracle (gpu_testutil.cu)
  *   edges              lengths around the chunk, zero-length sequences with

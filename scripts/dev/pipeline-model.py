@@ -12,7 +12,7 @@ in order with the right contents (the last one is END), that no stage is written
 reads it, that no barrier gets more arrivals than its count, and that nothing deadlocks.  A change
 to the protocol (stages, strides, who waits on what) should be tried here first.
 
-    python3 scripts/pipeline-model.py
+    python3 scripts/dev/pipeline-model.py
 
 The stage counts, strides and barrier counts are read from the kernel's sources (kernel_constants),
 so the model fails when they change and it is not changed with them; ctest runs it (pipeline_model).

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One kdad per GPU on a GPU host (scripts/gpu-check.sh multi runs it): throughput of one
+# One kdad per GPU on a GPU host (scripts/dev/gpu-check.sh multi runs it): throughput of one
 # daemon serving all H = 32 heads on GPU 0 against two daemons of 16 heads, on GPUs 0 and 1
 # (on a host of one GPU both share it), each driven by its own kdactl bench of 64 concurrent
 # 1024-token requests over device memory (scripts/bench-ranks.sh).  The head-sharded
 # results themselves are test_shard_cuda's (bit for bit against one daemon).
 #
-#   scripts/multi-gpu-check.sh BIN_DIR      (BIN_DIR holds kdad and kdactl)
+#   scripts/dev/multi-gpu-check.sh BIN_DIR      (BIN_DIR holds kdad and kdactl)
 #
 # Writes $OUT/multi-one.json, multi-two.json (bench-ranks.sh --json, also printed) and
 # kdad-multi.log; prints the ratio of the aggregate head-tokens/s last.
@@ -13,7 +13,7 @@ set -uo pipefail
 bin=${1:?usage: multi-gpu-check.sh BIN_DIR}
 out=${OUT:-/tmp/kdad-multi}
 mkdir -p "$out"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 ((ngpu > 0)) || { echo "multi-gpu-check: no GPU"; exit 77; }
 export KDACTL=$bin/kdactl
