@@ -956,6 +956,14 @@ static void print_value(FILE *f, const kd_config *c, const key_spec *k)
     case K_STR:
         print_string(f, *(char *const *)at);
         break;
+    case K_DEVICE: {
+        const char *dev = *(char *const *)at;
+        if (dev && *dev && strspn(dev, "0123456789") == strlen(dev))
+            fputs(dev, f); /* an ordinal, as it was written */
+        else
+            print_string(f, dev);
+        break;
+    }
     case K_U32:
         fprintf(f, "%u", *(const uint32_t *)at);
         break;

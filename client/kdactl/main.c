@@ -247,7 +247,7 @@ static int unknown_command(const char *name)
 
 int main(int argc, char **argv)
 {
-    ctl g = {NULL, false, 0, false, CTL_DEFAULT_RETRIES, CTL_DEFAULT_RETRY_MS};
+    ctl g = {.retries = CTL_DEFAULT_RETRIES, .retry_ms = CTL_DEFAULT_RETRY_MS};
     bool timeout_given = false;
     int rc = take_globals(&g, 1, &argc, argv, true, &timeout_given);
     if (rc >= 0)
