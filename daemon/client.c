@@ -228,10 +228,13 @@ static bool partial_ok(const kd_client *cl)
            oldest_frame(cl);
 }
 
+/* Within the bounds, or cl has read all its own output: only the
+ * connections that leave answers unread wait. */
 static bool output_ok(const kd_client *cl)
 {
     const kd_daemon *d = cl->d;
-    return kd_quota_output_ok(&d->quota, cl->peer.uid, d->cfg.max_output_bytes_per_uid,
+    return (cl->conn && cl->conn->out_bytes == 0) ||
+           kd_quota_output_ok(&d->quota, cl->peer.uid, d->cfg.max_output_bytes_per_uid,
                               d->cfg.max_output_bytes_total);
 }
 
@@ -282,7 +285,9 @@ void kd_client_output(kd_client *cl, int64_t delta)
             review(d);
         return;
     }
-    if (!cl->conn || cl->closing || cl->output_held || output_ok(cl))
+    if (!cl->conn || cl->closing || cl->output_held ||
+        kd_quota_output_ok(&d->quota, cl->peer.uid, d->cfg.max_output_bytes_per_uid,
+                           d->cfg.max_output_bytes_total))
         return;
     KD_INFO("conn %llu: unread output of uid %u exceeds clients.max_output_bytes_per_uid or "
             "_total; reading waits", (unsigned long long)cl->serial, (unsigned)cl->peer.uid);

@@ -73,11 +73,13 @@ static void set_events(kd_conn *c, int events)
         uv_poll_stop(&c->poll);
 }
 
-/* Reports a change of the bytes held for the frame still arriving. */
+/* Reports a change of the bytes held for the frame still arriving: those
+ * received (the body buffer grows ahead of them, but pages not written yet
+ * take no memory). */
 static void account_partial(kd_conn *c)
 {
     uint64_t held = !c->closing && c->reader.header_have == KP_FRAME_HEADER_BYTES
-                        ? c->reader.body_cap
+                        ? c->reader.body_have
                         : 0;
     if (c->reader.header_have == 0 && held == 0)
         c->frame_start_ns = 0;
