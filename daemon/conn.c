@@ -964,7 +964,9 @@ void kd_transport_housekeeping(kd_transport *t, uint64_t now)
             limit_close(c, KD_DISC_STALLED, why);
             continue;
         }
-        if (c->out_head && now - c->last_write_ns > l->output_stall_ns) {
+        /* a peer still sending requests is alive, if slow to read */
+        if (c->out_head && now - c->last_write_ns > l->output_stall_ns &&
+            now - c->last_read_ns > l->output_stall_ns) {
             snprintf(why, sizeof(why), "no byte of the unread responses taken for %llu seconds "
                      "(clients.output_stall_seconds)",
                      (unsigned long long)(l->output_stall_ns / 1000000000ull));

@@ -23,7 +23,8 @@
  *
  * Slow peers: a frame begun and no byte of it for frame_stall_ns (while
  * reading was not paused), or unread output of which no byte was taken for
- * output_stall_ns, closes the connection (reason "stalled").
+ * output_stall_ns while the peer sent nothing either, closes the connection
+ * (reason "stalled").
  *
  * The frame ring (PROTOCOL.md §Frame ring): after kd_conn_attach_ring the
  * frames of both directions travel through shared memory instead of the
