@@ -90,6 +90,8 @@ static const key_spec schema[] = {
     SIZE("limits.max_inflight_bytes", LIM(max_inflight_bytes), KP_HELLO_MAX_FRAME_BYTES,
          1ull << 40),
     {"limits.max_layers", K_U32, LIM(max_layers), 0, 0, 1u << 16, NULL},
+    {"limits.max_layers_per_uid", K_U32, LIM(max_layers_per_uid), 0, 0, 1u << 16, NULL},
+    {"limits.max_slots_per_uid", K_U32, LIM(max_slots_per_uid), 0, 0, KD_MAX_SLOTS, NULL},
     {"batching.graph_buckets", K_BUCKETS, OFF(graph_buckets), OFF(ngraph_buckets), 1, 1u << 16,
      NULL},
     U32("batching.max_queued_requests", max_queued_requests, 1, 1u << 20),
@@ -592,6 +594,46 @@ static const char *own_name(kd_config *c, const char *name)
     return copy;
 }
 
+/*
+ * Collections nest at most this deep.  kdad's schema needs 3 levels; libyaml
+ * spends time quadratic in the depth of flow collections ("[[[[...": every
+ * token walks all open levels), so 100,000 levels would take minutes.  The
+ * walk over parser events below stops at the first level too deep, before
+ * the document is loaded.
+ */
+#define MAX_DEPTH 64
+
+/* 0, or -1 with "FILE:LINE:COLUMN: ..." at the first collection nested
+ * deeper than MAX_DEPTH.  Syntax errors are left to the loader. */
+static int check_depth(const char *file, const char *text, size_t len, cerr *e)
+{
+    yaml_parser_t parser;
+    yaml_event_t ev;
+    if (!yaml_parser_initialize(&parser))
+        return fail_at(e, (kd_conf_mark){file, 0, 0}, NULL, "out of memory");
+    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
+    int depth = 0, rc = 0;
+    bool end = false;
+    while (!end && rc == 0 && yaml_parser_parse(&parser, &ev)) {
+        switch (ev.type) {
+        case YAML_SEQUENCE_START_EVENT:
+        case YAML_MAPPING_START_EVENT:
+            if (++depth > MAX_DEPTH)
+                rc = fail_at(e, (kd_conf_mark){file, (int)ev.start_mark.line + 1,
+                                               (int)ev.start_mark.column + 1},
+                             NULL, "collections nested deeper than %d levels", MAX_DEPTH);
+            break;
+        case YAML_SEQUENCE_END_EVENT:
+        case YAML_MAPPING_END_EVENT: depth--; break;
+        case YAML_STREAM_END_EVENT: end = true; break;
+        default: break;
+        }
+        yaml_event_delete(&ev);
+    }
+    yaml_parser_delete(&parser);
+    return rc;
+}
+
 /* Parses one YAML text on top of what cfg holds. */
 static int apply_yaml(kd_config *c, const char *name, const char *dir, const char *text,
                       size_t len, cerr *e)
@@ -599,6 +641,8 @@ static int apply_yaml(kd_config *c, const char *name, const char *dir, const cha
     const char *file = own_name(c, name);
     if (!file)
         return fail_at(e, (kd_conf_mark){name, 0, 0}, NULL, "out of memory");
+    if (check_depth(file, text, len, e) != 0)
+        return -1;
     yaml_parser_t parser;
     yaml_document_t doc;
     if (!yaml_parser_initialize(&parser))
@@ -645,6 +689,18 @@ static int check(kd_config *c, cerr *e)
         const char *reason = kerr.message[n] ? kerr.message + n + 2 : kerr.message;
         return fail_at(e, mark_of(c, path), path, "%s", reason);
     }
+    /* Per-uid bounds: 0 sizes them from the daemon-wide ones; above those they mean nothing. */
+    kp_limits *l = &c->limits;
+    if (l->max_layers_per_uid > l->max_layers)
+        return fail_at(e, mark_of(c, "limits.max_layers_per_uid"), "limits.max_layers_per_uid",
+                       "%u is above limits.max_layers %u", l->max_layers_per_uid, l->max_layers);
+    if (l->max_slots_per_uid > c->slots)
+        return fail_at(e, mark_of(c, "limits.max_slots_per_uid"), "limits.max_slots_per_uid",
+                       "%u is above the pool's %u slots", l->max_slots_per_uid, c->slots);
+    if (l->max_layers_per_uid == 0)
+        l->max_layers_per_uid = (l->max_layers + 1) / 2;
+    if (l->max_slots_per_uid == 0)
+        l->max_slots_per_uid = c->slots;
     if (c->output_hard_limit < c->limits.max_frame_bytes + KP_FRAME_HEADER_BYTES)
         return fail_at(e, mark_of(c, "clients.output_hard_limit"), "clients.output_hard_limit",
                        "%llu is below limits.max_frame_bytes + 4: one response could never be "

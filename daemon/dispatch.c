@@ -118,6 +118,11 @@ static void do_stats(kd_req *r)
     uint64_t now = uv_hrtime();
     kd_dispatch_gauges(d, &g);
     kd_stats_result(&d->stats, &g, now, &v, &res);
+    uid_t uid = r->client->peer.uid;
+    res.has_uid = true;
+    res.uid = uid;
+    res.uid_layers = kd_layers_of_uid(&d->layers, uid);
+    res.uid_slots = kd_pool_uid_holds(&d->pool, uid);
     char *text = NULL;
     if (flags & KP_STATS_PROMETHEUS) {
         /* The same rendering as the metrics file, from the same counters. */
@@ -140,10 +145,10 @@ static void do_layer_register(kd_req *r)
     kp_layer_register_params p;
     kp_layer_register_result res;
     kp_error e;
+    kd_layer_quota q = {c->session.limits.max_layers, c->session.limits.max_layers_per_uid};
     if (kp_layer_register_params_decode(&r->msg, &c->session, &p, &e) != KP_OK ||
         kd_layers_register(&d->layers, p.name, p.A_log.data, p.dt_bias.data, p.lower_bound,
-                           p.scale, KP_LAYER_SOURCE_CLIENT, c->peer.uid,
-                           c->session.limits.max_layers, &res.created, &e) != KP_OK) {
+                           p.scale, c->peer.uid, &q, &res.created, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
@@ -167,11 +172,13 @@ static void do_layer_list(kd_req *r)
         fail_with(r, KP_E_NO_MEMORY, "no memory to list the layers");
         return;
     }
+    uint32_t n = 0;
     for (uint32_t i = 0; i < d->layers.n; i++) {
         const kd_layer *l = d->layers.v[i];
-        info[i] = (kp_layer_info){l->name, l->host.lower_bound, l->host.scale, l->source};
+        if (kd_layer_visible(l, r->client->peer.uid)) /* another uid's names are its own */
+            info[n++] = (kp_layer_info){l->name, l->host.lower_bound, l->host.scale, l->source};
     }
-    kp_layer_list_result res = {info, d->layers.n};
+    kp_layer_list_result res = {info, n};
     kd_out *o = kd_req_frame(r);
     if (o)
         kd_req_reply(r, o, kp_layer_list_result_encode(&o->w, r->id, &res, &e), &e);
@@ -183,12 +190,14 @@ static void do_layer_drop(kd_req *r)
     kd_client *c = r->client;
     kp_layer_drop_params p;
     kp_error e;
+    bool removed;
     if (kp_layer_drop_params_decode(&r->msg, &c->session, &p, &e) != KP_OK ||
-        kd_layers_drop(&c->d->layers, p.name, c->peer.uid, &e) != KP_OK) {
+        kd_layers_drop(&c->d->layers, p.name, c->peer.uid, &removed, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
-    KD_INFO("layer %s: dropped by uid %u", p.name, (unsigned)c->peer.uid);
+    if (removed)
+        KD_INFO("layer %s: dropped by uid %u", p.name, (unsigned)c->peer.uid);
     kd_req_reply_empty(r);
 }
 
@@ -207,8 +216,8 @@ static void do_slot_alloc(kd_req *r)
         fail_with(r, KP_E_NO_MEMORY, "no memory for %u handles", p.count);
         return;
     }
-    if (kd_pool_alloc(&d->pool, kd_client_owner(c), c->session.limits.max_slots_per_client,
-                      p.count, p.zero, handles, &e) != KP_OK) {
+    if (kd_pool_alloc(&d->pool, kd_client_owner(c), c->peer.uid, &c->session.limits, p.count,
+                      p.zero, handles, &e) != KP_OK) {
         free(handles);
         kd_req_fail(r, &e);
         return;
@@ -262,8 +271,9 @@ static void do_slot_info(kd_req *r)
                                  kd_pool_status(&d->pool, index),
                                  kd_sched_slot_jobs(&d->sched, index)};
     }
-    uint32_t owned = kd_pool_owned(&d->pool, owner), quota = c->session.limits.max_slots_per_client;
-    kp_slot_info_result res = {info, have, d->pool.nfree, owned < quota ? quota - owned : 0};
+    kp_slot_info_result res = {info, have, d->pool.nfree,
+                               kd_pool_quota_left(&d->pool, owner, c->peer.uid,
+                                                  &c->session.limits)};
     kd_out *o = kd_req_frame(r);
     if (o)
         kd_req_reply(r, o, kp_slot_info_result_encode(&o->w, r->id, &res, &e), &e);

@@ -199,11 +199,8 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
         *p = r->prefill;
     else if ((rc = kp_prefill_params_decode(&r->msg, &r->client->session, p, e)))
         return rc;
-    kd_layer *layer = kd_layers_find(&d->layers, p->layer);
-    if (!layer)
-        return kp_fail(e, KP_E_UNKNOWN_LAYER, "layer: no layer \"%s\"", p->layer);
-    kd_layer_ref(layer);
-    x->layer = layer;
+    if ((rc = kd_layers_acquire(&d->layers, p->layer, r->client->peer.uid, &x->layer, e)))
+        return rc;
     x->prefill.buf = calloc(p->nseqs, sizeof(*x->prefill.buf));
     x->prefill.out = calloc(p->nseqs, sizeof(*x->prefill.out));
     x->prefill.pos = calloc(p->nseqs, sizeof(*x->prefill.pos));
@@ -273,9 +270,8 @@ static int admit_fork(kd_req *r, uint32_t *nslots, kp_error *e)
             return rc;
     } else {
         uint64_t handle;
-        if ((rc = kd_pool_alloc(&d->pool, kd_client_owner(r->client),
-                                r->client->session.limits.max_slots_per_client, 1, false, &handle,
-                                e)))
+        if ((rc = kd_pool_alloc(&d->pool, kd_client_owner(r->client), r->client->peer.uid,
+                                &r->client->session.limits, 1, false, &handle, e)))
             return rc;
         x->slots[1] = kp_slot_index(handle);
         x->fork.allocated = true;
@@ -446,7 +442,14 @@ static kd_prepare prepare_prefill(kd_req *r, kd_batch *b)
             fail(r, &e);
             return KD_PREPARE_FAILED;
         }
-        x->prefill.pos[i] = (q->fresh ? 0 : s->pos) + q->len;
+        if (kd_pool_next_pos(&d->pool, x->slots[i], q->fresh, q->len, NULL, &x->prefill.pos[i],
+                             NULL) != KP_OK) {
+            char field[KP_FIELD_NAME_MAX];
+            kd_pool_next_pos(&d->pool, x->slots[i], q->fresh, q->len,
+                             field_text(SEQ_FIELD(i, "slot"), field), &x->prefill.pos[i], &e);
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
         if (q->len > 0 && q->out.kind == KP_REF_ABSENT) {
             uint64_t bytes = kp_token_tensor_bytes(q->len, heads);
             if (!(x->prefill.out[i] = alloc_out(bytes))) {

@@ -19,13 +19,26 @@ void kd_layers_init(kd_layers *ls, kd_backend *backend, uint32_t heads)
     ls->heads = heads;
 }
 
-kd_layer *kd_layers_find(const kd_layers *ls, const char *name)
+bool kd_layer_visible(const kd_layer *l, uint32_t uid)
+{
+    return l->source == KP_LAYER_SOURCE_CONFIG || l->uid == uid;
+}
+
+kd_layer *kd_layers_find(const kd_layers *ls, const char *name, uint32_t uid)
 {
     for (uint32_t i = 0; i < ls->n; i++) {
-        if (strcmp(ls->v[i]->name, name) == 0)
+        if (kd_layer_visible(ls->v[i], uid) && strcmp(ls->v[i]->name, name) == 0)
             return ls->v[i];
     }
     return NULL;
+}
+
+uint32_t kd_layers_of_uid(const kd_layers *ls, uint32_t uid)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < ls->n; i++)
+        n += ls->v[i]->source == KP_LAYER_SOURCE_CLIENT && ls->v[i]->uid == uid;
+    return n;
 }
 
 static void layer_free(kd_layers *ls, kd_layer *l)
@@ -45,6 +58,18 @@ void kd_layer_unref(kd_layers *ls, kd_layer *l)
 {
     if (--l->refs == 0)
         layer_free(ls, l);
+}
+
+int kd_layers_acquire(kd_layers *ls, const char *name, uint32_t uid, kd_layer **out,
+                      kp_error *err)
+{
+    kd_layer *l = kd_layers_find(ls, name, uid);
+    if (!l)
+        return kp_fail(err, KP_E_UNKNOWN_LAYER, "layer: no layer \"%s\" in the configuration "
+                       "or registered by uid %u", name, (unsigned)uid);
+    kd_layer_ref(l);
+    *out = l;
+    return KP_OK;
 }
 
 /* Removes a layer's name; its weights live on while requests use them. */
@@ -82,21 +107,11 @@ static float *aligned_copy(const void *src, size_t n)
     return p;
 }
 
-int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const void *dt_bias,
-                       float lower_bound, float scale, kp_layer_source source, uint32_t uid,
-                       uint32_t max_layers, bool *created, kp_error *err)
+/* Names a new layer (the caller checked that the name is free to it). */
+static int add_layer(kd_layers *ls, const char *name, const void *A_log, const void *dt_bias,
+                     float lower_bound, float scale, kp_layer_source source, uint32_t uid,
+                     kp_error *err)
 {
-    kd_layer *old = kd_layers_find(ls, name);
-    if (old) {
-        if (!same_content(old, A_log, dt_bias, lower_bound, scale, ls->heads))
-            return kp_fail(err, KP_E_LAYER_EXISTS, "name: a layer \"%s\" with other weights "
-                           "is registered", name);
-        *created = false;
-        return KP_OK;
-    }
-    if (ls->n >= max_layers)
-        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "name: the daemon holds max_layers %u layers",
-                       max_layers);
     if (ls->n == ls->cap) {
         uint32_t cap = ls->cap ? 2 * ls->cap : 16;
         kd_layer **v = realloc(ls->v, cap * sizeof(*v));
@@ -129,27 +144,61 @@ int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const
         return rc;
     }
     l->refs = 1;
+    l->regs = 1;
     ls->v[ls->n++] = l;
-    *created = true;
     return KP_OK;
 }
 
-int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, kp_error *err)
+int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const void *dt_bias,
+                       float lower_bound, float scale, uint32_t uid, const kd_layer_quota *q,
+                       bool *created, kp_error *err)
+{
+    kd_layer *old = kd_layers_find(ls, name, uid);
+    if (old) {
+        bool config = old->source == KP_LAYER_SOURCE_CONFIG;
+        if (!same_content(old, A_log, dt_bias, lower_bound, scale, ls->heads)) {
+            if (config)
+                return kp_fail(err, KP_E_LAYER_EXISTS, "name: \"%s\" is a layer of the "
+                               "daemon's configuration, with other weights", name);
+            return kp_fail(err, KP_E_LAYER_EXISTS, "name: uid %u has a layer \"%s\" with "
+                           "other weights (registrations: %llu); drop them all first, or use "
+                           "another name", (unsigned)uid, name, (unsigned long long)old->regs);
+        }
+        if (!config)
+            old->regs++; /* given back by a layer.drop */
+        *created = false;
+        return KP_OK;
+    }
+    if (ls->n >= q->max_layers)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "name: the daemon holds limits.max_layers %u "
+                       "layers", q->max_layers);
+    uint32_t mine = kd_layers_of_uid(ls, uid);
+    if (mine >= q->max_layers_per_uid)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "name: uid %u holds %u layers, "
+                       "limits.max_layers_per_uid", (unsigned)uid, mine);
+    int rc = add_layer(ls, name, A_log, dt_bias, lower_bound, scale, KP_LAYER_SOURCE_CLIENT, uid,
+                       err);
+    if (rc == KP_OK)
+        *created = true;
+    return rc;
+}
+
+int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, bool *removed, kp_error *err)
 {
     for (uint32_t i = 0; i < ls->n; i++) {
         kd_layer *l = ls->v[i];
-        if (strcmp(l->name, name) != 0)
+        if (!kd_layer_visible(l, uid) || strcmp(l->name, name) != 0)
             continue;
         if (l->source == KP_LAYER_SOURCE_CONFIG)
             return kp_fail(err, KP_E_PERMISSION_DENIED, "name: layer \"%s\" comes from the "
                            "daemon's configuration", name);
-        if (l->uid != uid)
-            return kp_fail(err, KP_E_PERMISSION_DENIED, "name: layer \"%s\" was registered by "
-                           "another user", name);
-        unregister(ls, i);
+        *removed = --l->regs == 0;
+        if (*removed)
+            unregister(ls, i);
         return KP_OK;
     }
-    return kp_fail(err, KP_E_UNKNOWN_LAYER, "name: no layer \"%s\"", name);
+    return kp_fail(err, KP_E_UNKNOWN_LAYER, "name: uid %u has no layer \"%s\"", (unsigned)uid,
+                   name);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -244,33 +293,36 @@ int kd_layers_sync_config(kd_layers *ls, const kd_config *cfg, char *err, size_t
     }
     for (uint32_t j = 0; j < cfg->nlayers && rc == 0; j++) {
         const kd_layer_conf *lc = &cfg->layers[j];
-        kd_layer *old = kd_layers_find(ls, lc->name);
-        if (old && old->source == KP_LAYER_SOURCE_CONFIG &&
-            same_content(old, weights[2 * j], weights[2 * j + 1], lc->lower_bound, lc->scale,
-                         ls->heads))
-            continue;
-        if (old) {
-            if (old->source == KP_LAYER_SOURCE_CLIENT)
-                KD_WARN("layer %s: a client's layer is replaced by the configuration's",
-                        lc->name);
-            for (uint32_t i = 0; i < ls->n; i++) {
-                if (ls->v[i] == old) {
-                    unregister(ls, i);
-                    break;
-                }
+        bool reloaded = false, same = false;
+        /* The name is every uid's now: the old config layer, if changed, and
+         * client layers of that name go. */
+        for (uint32_t i = ls->n; i-- > 0;) {
+            kd_layer *l = ls->v[i];
+            if (strcmp(l->name, lc->name) != 0)
+                continue;
+            if (l->source == KP_LAYER_SOURCE_CONFIG &&
+                same_content(l, weights[2 * j], weights[2 * j + 1], lc->lower_bound, lc->scale,
+                             ls->heads)) {
+                same = true;
+                continue;
             }
+            if (l->source == KP_LAYER_SOURCE_CLIENT)
+                KD_WARN("layer %s: uid %u's layer is replaced by the configuration's", lc->name,
+                        (unsigned)l->uid);
+            reloaded |= l->source == KP_LAYER_SOURCE_CONFIG;
+            unregister(ls, i);
         }
-        bool created;
+        if (same)
+            continue;
         kp_error kerr;
-        if (kd_layers_register(ls, lc->name, weights[2 * j], weights[2 * j + 1], lc->lower_bound,
-                               lc->scale, KP_LAYER_SOURCE_CONFIG, 0, UINT32_MAX, &created,
-                               &kerr) != KP_OK) {
+        if (add_layer(ls, lc->name, weights[2 * j], weights[2 * j + 1], lc->lower_bound,
+                      lc->scale, KP_LAYER_SOURCE_CONFIG, 0, &kerr) != KP_OK) {
             snprintf(err, errlen, "%s:%d:%d: layers[%u]: %s", lc->mark.file, lc->mark.line,
                      lc->mark.col, j, kerr.message);
             rc = -1;
             break;
         }
-        KD_INFO("layer %s: %s from %s", lc->name, old ? "reloaded" : "loaded", lc->file);
+        KD_INFO("layer %s: %s from %s", lc->name, reloaded ? "reloaded" : "loaded", lc->file);
     }
     for (uint32_t i = 0; i < 2 * cfg->nlayers; i++)
         free(weights[i]);

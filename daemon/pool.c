@@ -32,58 +32,97 @@ void kd_pool_destroy(kd_pool *p)
     free(p->slots);
     free(p->free_list);
     free(p->owners);
+    free(p->uids);
     memset(p, 0, sizeof(*p));
 }
 
-static kd_owner_count *owner_find(const kd_pool *p, uint64_t owner)
+/* A table of counts by key (owners, uids): few entries, a linear search. */
+typedef struct count_table {
+    kd_owner_count **v;
+    uint32_t *n, *cap;
+} count_table;
+
+static count_table owners_of(kd_pool *p)
 {
-    for (uint32_t i = 0; i < p->nowners; i++) {
-        if (p->owners[i].owner == owner)
-            return &p->owners[i];
+    return (count_table){&p->owners, &p->nowners, &p->owners_cap};
+}
+
+static count_table uids_of(kd_pool *p)
+{
+    return (count_table){&p->uids, &p->nuids, &p->uids_cap};
+}
+
+static uint32_t count_of(const kd_owner_count *v, uint32_t n, uint64_t key)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        if (v[i].owner == key)
+            return v[i].count;
     }
-    return NULL;
+    return 0;
 }
 
 uint32_t kd_pool_owned(const kd_pool *p, uint64_t owner)
 {
-    const kd_owner_count *o = owner_find(p, owner);
-    return o ? o->count : 0;
+    return count_of(p->owners, p->nowners, owner);
 }
 
-/* Adds delta to owner's count, dropping owners that reach 0. */
-static int owner_add(kd_pool *p, uint64_t owner, int64_t delta)
+uint32_t kd_pool_uid_holds(const kd_pool *p, uint32_t uid)
 {
-    kd_owner_count *o = owner_find(p, owner);
-    if (!o) {
-        if (p->nowners == p->owners_cap) {
-            uint32_t cap = p->owners_cap ? 2 * p->owners_cap : 16;
-            kd_owner_count *grown = realloc(p->owners, cap * sizeof(*grown));
-            if (!grown)
-                return KP_E_NO_MEMORY;
-            p->owners = grown;
-            p->owners_cap = cap;
-        }
-        o = &p->owners[p->nowners++];
-        *o = (kd_owner_count){owner, 0};
-    }
-    o->count = (uint32_t)((int64_t)o->count + delta);
-    if (o->count == 0)
-        *o = p->owners[--p->nowners];
+    return count_of(p->uids, p->nuids, uid);
+}
+
+/* Makes room for one more entry (so that count_add of a new key cannot fail). */
+static int count_reserve(count_table t)
+{
+    if (*t.n < *t.cap)
+        return KP_OK;
+    uint32_t cap = *t.cap ? 2 * *t.cap : 16;
+    kd_owner_count *grown = realloc(*t.v, cap * sizeof(*grown));
+    if (!grown)
+        return KP_E_NO_MEMORY;
+    *t.v = grown;
+    *t.cap = cap;
     return KP_OK;
 }
 
-int kd_pool_alloc(kd_pool *p, uint64_t owner, uint32_t quota, uint32_t count, bool zero,
-                  uint64_t *handles, kp_error *err)
+/* Adds delta to key's count, dropping keys that reach 0 (room reserved). */
+static void count_add(count_table t, uint64_t key, int64_t delta)
 {
-    uint32_t held = kd_pool_owned(p, owner);
-    if ((uint64_t)held + count > quota)
+    kd_owner_count *o = NULL;
+    for (uint32_t i = 0; i < *t.n && !o; i++) {
+        if ((*t.v)[i].owner == key)
+            o = &(*t.v)[i];
+    }
+    if (!o) {
+        o = &(*t.v)[(*t.n)++];
+        *o = (kd_owner_count){key, 0};
+    }
+    o->count = (uint32_t)((int64_t)o->count + delta);
+    if (o->count == 0)
+        *o = (*t.v)[--*t.n];
+}
+
+int kd_pool_alloc(kd_pool *p, uint64_t owner, uint32_t uid, const kp_limits *lim,
+                  uint32_t count, bool zero, uint64_t *handles, kp_error *err)
+{
+    uint32_t held = kd_pool_owned(p, owner), uid_held = kd_pool_uid_holds(p, uid);
+    if ((uint64_t)held + count > lim->max_slots_per_client)
         return kp_fail(err, KP_E_QUOTA_EXCEEDED, "count: %u more slots would exceed "
-                       "max_slots_per_client %u (%u held)", count, quota, held);
+                       "max_slots_per_client %u (%u held)", count, lim->max_slots_per_client,
+                       held);
+    /* A full pool first: it is retryable, and with the default per-uid bound
+     * (the whole pool) the uid's bound is only ever passed when it is full. */
     if (count > p->nfree)
         return kp_fail(err, KP_E_POOL_FULL, "count: %u slots asked, %u of %u free", count,
                        p->nfree, p->nslots);
-    if (owner_add(p, owner, count) != KP_OK)
+    if (lim->max_slots_per_uid && (uint64_t)uid_held + count > lim->max_slots_per_uid)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "count: %u more slots would exceed "
+                       "max_slots_per_uid %u (uid %u holds %u)", count, lim->max_slots_per_uid,
+                       (unsigned)uid, uid_held);
+    if (count_reserve(owners_of(p)) != KP_OK || count_reserve(uids_of(p)) != KP_OK)
         return kp_fail(err, KP_E_NO_MEMORY, "no memory for the slot owner table");
+    count_add(owners_of(p), owner, count);
+    count_add(uids_of(p), uid, count);
     for (uint32_t i = 0; i < count; i++) {
         uint32_t index = p->free_list[--p->nfree];
         kd_slot *s = &p->slots[index];
@@ -91,8 +130,35 @@ int kd_pool_alloc(kd_pool *p, uint64_t owner, uint32_t quota, uint32_t count, bo
         s->zero = zero;
         s->pos = 0;
         s->owner = owner;
+        s->uid = uid;
         handles[i] = kd_pool_handle(p, index);
     }
+    return KP_OK;
+}
+
+uint32_t kd_pool_quota_left(const kd_pool *p, uint64_t owner, uint32_t uid,
+                            const kp_limits *lim)
+{
+    uint32_t held = kd_pool_owned(p, owner), uid_held = kd_pool_uid_holds(p, uid);
+    uint32_t left = held < lim->max_slots_per_client ? lim->max_slots_per_client - held : 0;
+    if (lim->max_slots_per_uid) {
+        uint32_t uid_left = uid_held < lim->max_slots_per_uid ? lim->max_slots_per_uid - uid_held
+                                                              : 0;
+        left = uid_left < left ? uid_left : left;
+    }
+    return left;
+}
+
+int kd_pool_next_pos(const kd_pool *p, uint32_t index, bool fresh, uint64_t len,
+                     const char *field, uint64_t *pos, kp_error *err)
+{
+    uint64_t from = fresh ? 0 : p->slots[index].pos;
+    if (len > UINT64_MAX - from)
+        return kp_fail(err, KP_E_LIMIT_EXCEEDED, "%s: slot 0x%llx is at position %llu: %llu "
+                       "more tokens would pass the last position, 2^64 - 1",
+                       field, (unsigned long long)kd_pool_handle(p, index),
+                       (unsigned long long)from, (unsigned long long)len);
+    *pos = from + len;
     return KP_OK;
 }
 
@@ -117,8 +183,9 @@ int kd_pool_resolve(const kd_pool *p, uint64_t handle, uint64_t owner, const cha
 void kd_pool_retire(kd_pool *p, uint32_t index)
 {
     kd_slot *s = &p->slots[index];
-    /* Cannot fail: the owner holds this slot, so its entry exists. */
-    owner_add(p, s->owner, -1);
+    /* The owner and the uid hold this slot, so their entries exist. */
+    count_add(owners_of(p), s->owner, -1);
+    count_add(uids_of(p), s->uid, -1);
     s->retiring = true;
     s->gen = s->gen + 1 ? s->gen + 1 : 1;
     s->owner = 0;

@@ -83,12 +83,13 @@ int kp_hello_choose_version(const kp_hello_params *p, uint32_t *version, kp_erro
 static const char *const limits_fields[] = {
     "max_frame_bytes", "max_inline_bytes", "max_batch_tokens", "max_batch_seqs",
     "max_seqs_per_request", "max_slots_per_client", "max_regions_per_client",
-    "max_inflight_requests", "max_inflight_bytes", "max_layers", NULL};
+    "max_inflight_requests", "max_inflight_bytes", "max_layers", "max_layers_per_uid",
+    "max_slots_per_uid", NULL};
 
 static void encode_limits(kp_writer *w, const kp_limits *l)
 {
     enc_key(w, "limits");
-    enc_map(w, 10);
+    enc_map(w, 12);
     enc_kv_u64(w, "max_frame_bytes", l->max_frame_bytes);
     enc_kv_u64(w, "max_inline_bytes", l->max_inline_bytes);
     enc_kv_u64(w, "max_batch_tokens", l->max_batch_tokens);
@@ -99,6 +100,8 @@ static void encode_limits(kp_writer *w, const kp_limits *l)
     enc_kv_u64(w, "max_inflight_requests", l->max_inflight_requests);
     enc_kv_u64(w, "max_inflight_bytes", l->max_inflight_bytes);
     enc_kv_u64(w, "max_layers", l->max_layers);
+    enc_kv_u64(w, "max_layers_per_uid", l->max_layers_per_uid);
+    enc_kv_u64(w, "max_slots_per_uid", l->max_slots_per_uid);
 }
 
 static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_error *err)
@@ -120,6 +123,14 @@ static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_
         (rc = dec_u64(&f, "max_inflight_bytes", 0, UINT64_MAX, &l->max_inflight_bytes, NULL,
                       err)) ||
         (rc = dec_u32(&f, "max_layers", 0, UINT32_MAX, &l->max_layers, NULL, err)))
+        return rc;
+    /* Per-uid bounds: optional (daemons before them omit them: 0). */
+    bool here;
+    l->max_layers_per_uid = l->max_slots_per_uid = 0;
+    if ((rc = dec_u32(&f, "max_layers_per_uid", 0, UINT32_MAX, &l->max_layers_per_uid, &here,
+                      err)) ||
+        (rc = dec_u32(&f, "max_slots_per_uid", 0, UINT32_MAX, &l->max_slots_per_uid, &here,
+                      err)))
         return rc;
     kp_error why;
     if (kp_limits_check(l, &why))
@@ -376,7 +387,9 @@ int kp_health_result_decode(kp_msg *msg, kp_health_result *r, kp_error *err)
 static const char *const stats_fields[] = {
     "uptime_us", "connections", "connections_total", "requests", "batches", "batches_held",
     "batches_gathered", "seqs", "tokens", "latency_us", "pool", "layers", "regions", "rings",
-    "ring_doorbells", "errors", "disconnects", "transport_bytes", "prometheus", "batch_us", NULL};
+    "ring_doorbells", "errors", "disconnects", "transport_bytes", "prometheus", "batch_us", "uid",
+    NULL};
+static const char *const uid_fields[] = {"uid", "layers", "slots", NULL};
 static const char *const batch_fields[] = {"count", "window", "phases", NULL};
 static const char *const phase_fields[] = {"p50", "p90", "p99", "sum", NULL};
 static const char *const latency_fields[] = {"count", "p50", "p90", "p99", "max", "bounds",
@@ -425,7 +438,7 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         if (rc)
             return rc;
     }
-    enc_result(w, id, 18 + (r->prometheus != NULL) + r->has_batch_phases);
+    enc_result(w, id, 18 + (r->prometheus != NULL) + r->has_batch_phases + r->has_uid);
     enc_kv_u64(w, "uptime_us", r->uptime_us);
     enc_kv_u64(w, "connections", r->connections);
     enc_kv_u64(w, "connections_total", r->connections_total);
@@ -453,6 +466,13 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
     enc_kv_u64(w, "lost", r->slots_lost);
 
     enc_kv_u64(w, "layers", r->layers);
+    if (r->has_uid) {
+        enc_key(w, "uid");
+        enc_map(w, 3);
+        enc_kv_u64(w, "uid", r->uid);
+        enc_kv_u64(w, "layers", r->uid_layers);
+        enc_kv_u64(w, "slots", r->uid_slots);
+    }
     enc_kv_u64(w, "regions", r->regions);
     enc_kv_u64(w, "rings", r->rings);
     enc_kv_u64(w, "ring_doorbells", r->ring_doorbells);
@@ -594,6 +614,18 @@ static int decode_transport_bytes(kp_msg *msg, const msgpack_object *o, kp_stats
     return KP_OK;
 }
 
+static int decode_uid(kp_msg *msg, const msgpack_object *o, kp_stats_result *r, kp_error *err)
+{
+    dec_fields f;
+    int rc = dec_open(&f, msg, o, "uid", uid_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
+    if (rc || (rc = dec_u32(&f, "uid", 0, UINT32_MAX, &r->uid, NULL, err)) ||
+        (rc = dec_u32(&f, "layers", 0, UINT32_MAX, &r->uid_layers, NULL, err)) ||
+        (rc = dec_u32(&f, "slots", 0, UINT32_MAX, &r->uid_slots, NULL, err)))
+        return rc;
+    r->has_uid = true;
+    return KP_OK;
+}
+
 static int decode_batch(kp_msg *msg, const msgpack_object *o, kp_stats_result *r,
                         kp_error *err)
 {
@@ -636,8 +668,8 @@ static int decode_batch(kp_msg *msg, const msgpack_object *o, kp_stats_result *r
 int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
 {
     dec_fields f;
-    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch;
-    bool has_prometheus, has_batch, present;
+    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch, *uid;
+    bool has_prometheus, has_batch, has_uid, present;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, stats_fields, err);
     if (rc || (rc = dec_u64(&f, "uptime_us", 0, UINT64_MAX, &r->uptime_us, NULL, err)) ||
@@ -667,7 +699,9 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
                               &r->ndisconnects, err)) ||
         (rc = dec_str(&f, "prometheus", 0, UINT32_MAX, &r->prometheus, &has_prometheus, err)) ||
         (rc = dec_map(&f, "batch_us", &batch, &has_batch, err)) ||
-        (has_batch && (rc = decode_batch(msg, batch, r, err))))
+        (has_batch && (rc = decode_batch(msg, batch, r, err))) ||
+        (rc = dec_map(&f, "uid", &uid, &has_uid, err)) ||
+        (has_uid && (rc = decode_uid(msg, uid, r, err))))
         return rc;
     return decode_transport_bytes(msg, bytes, r, err);
 }

@@ -82,6 +82,8 @@ void kp_limits_default(kp_limits *l)
     l->max_inflight_requests = KP_DEFAULT_MAX_INFLIGHT_REQUESTS;
     l->max_inflight_bytes = KP_DEFAULT_MAX_INFLIGHT_BYTES;
     l->max_layers = KP_DEFAULT_MAX_LAYERS;
+    l->max_layers_per_uid = KP_DEFAULT_MAX_LAYERS_PER_UID;
+    l->max_slots_per_uid = 0; /* the pool's size: the daemon knows it */
 }
 
 int kp_limits_check(const kp_limits *l, kp_error *err)

@@ -19,6 +19,12 @@
  *                     connection), per uid with slots_persist (shared by a
  *                     uid's connections, refused to other uids; the slot quota
  *                     counts per uid)
+ *   slots per uid     limits.max_slots_per_uid over a uid's connections, and
+ *                     what it keeps with slots_persist after they close
+ *   layer names       each uid's own: another uid registering a name root
+ *                     uses (even right after root's other client dropped its
+ *                     registration) gets its own layer and never changes
+ *                     root's results; limits.max_layers_per_uid
  * The per-connection slot quota and the region quota are in test_daemon and
  * test_daemon_shm.
  */
@@ -235,6 +241,95 @@ static int child_touch_slot(const char *sock, void *arg, char *msg, size_t len)
     }
     snprintf(msg, len, "%" PRIu64, mine[0]);
     return 0;
+}
+
+/* A child's run on a layer name root also uses: `l` are its weights, `s`
+ * its sequence. */
+typedef struct layer_job {
+    const dh_layer *l;
+    const dh_seq *s;
+} layer_job;
+
+#define OUT_TOL 0.005 /* KDA.md: output rel RMS error against the oracle */
+
+/* Registers "shared.L" with the child's weights (a layer of its own: created),
+ * runs its sequence on it and checks the output against the oracle of its
+ * weights; root's "root.L" is not its to drop, and its list shows its own
+ * layer alone. */
+static int child_own_layer(const char *sock, void *arg, char *msg, size_t len)
+{
+    const layer_job *j = arg;
+    const size_t n = (size_t)j->s->len * DH_HEADS * 128;
+    uint16_t *out = malloc(n * sizeof(uint16_t));
+    double *state = calloc(DH_STATE_ELEMS, sizeof(double)), *ref = calloc(n, sizeof(double));
+    kdac_client *c;
+    if (!out || !state || !ref || child_open(sock, &c, msg, len))
+        return 1;
+    kdac_layer layer = {"shared.L", j->l->A_log, j->l->dt_bias, j->l->lower_bound, j->l->scale};
+    kdac_seq q = {0};
+    kdac_prefill_result res;
+    kdac_error err, drop_err;
+    kdac_layer_info info[4];
+    uint32_t nlayers = 0;
+    bool created = false;
+    int rc = kdac_layer_register(c, &layer, &created, &err);
+    if (!rc)
+        rc = kdac_slot_alloc(c, 1, 0, &q.slot, &err);
+    if (!rc) {
+        q.len = j->s->len;
+        q.q = kdac_tensor_inline(j->s->q);
+        q.k = kdac_tensor_inline(j->s->k);
+        q.v = kdac_tensor_inline(j->s->v);
+        q.g = kdac_tensor_inline(j->s->g);
+        q.beta = kdac_tensor_inline(j->s->beta);
+        q.out = kdac_output_inline(out);
+        rc = kdac_prefill(c, "shared.L", &q, 1, &res, &err);
+    }
+    int dropped = rc ? 0 : kdac_layer_drop(c, "root.L", &drop_err);
+    if (!rc)
+        rc = kdac_layer_list(c, info, 4, &nlayers, &err);
+    kdac_client_close(c);
+    int code = 1;
+    if (rc) {
+        snprintf(msg, len, "%s: %s", kdac_err_name(rc), err.message);
+    } else {
+        dh_oracle(j->l, j->s, state, ref);
+        double e = dh_err_bf16(out, ref, n);
+        snprintf(msg, len, "created %d, output error %.2e, drop root.L: %s (%s), %u layers "
+                 "listed, the first %s", created, e, kdac_err_name(dropped), drop_err.message,
+                 nlayers, nlayers ? info[0].name : "-");
+        code = created && e <= OUT_TOL && dropped == KDAC_E_UNKNOWN_LAYER && nlayers == 1 &&
+                       strcmp(info[0].name, "shared.L") == 0
+                   ? 0
+                   : 1;
+    }
+    free(out);
+    free(state);
+    free(ref);
+    return code;
+}
+
+/* Registers *(int *)arg layers of its own, then one more: 0 when the last
+ * alone is refused QUOTA_EXCEEDED (its error in msg). */
+static int child_layers_up_to_quota(const char *sock, void *arg, char *msg, size_t len)
+{
+    int n = *(int *)arg;
+    static float A_log[DH_HEADS], dt_bias[DH_HEADS * 128];
+    kdac_client *c;
+    if (child_open(sock, &c, msg, len))
+        return 1;
+    kdac_error err;
+    int rc = 0, i;
+    for (i = 0; i <= n && !rc; i++) {
+        char name[24];
+        snprintf(name, sizeof(name), "child.%d", i);
+        kdac_layer layer = {name, A_log, dt_bias, -5.0f, KDAC_DEFAULT_SCALE};
+        rc = kdac_layer_register(c, &layer, NULL, &err);
+    }
+    kdac_client_close(c);
+    snprintf(msg, len, "%d registered; then %s: %s", i - 1, kdac_err_name(rc),
+             rc ? err.message : "");
+    return i - 1 == n && rc == KDAC_E_QUOTA_EXCEEDED ? 0 : 1;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -573,6 +668,177 @@ static void test_slots_belong_to_their_uid(void **unused)
     dh_stop(&d);
 }
 
+/* Sends slot.alloc of count slots; returns its id. */
+static uint32_t send_alloc(dh_client *c, uint32_t count)
+{
+    kp_slot_alloc_params ap = {count, true};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_alloc_params_encode(&c->w, id, &ap, NULL), KP_OK);
+    dh_send(c);
+    return id;
+}
+
+/* limits.max_slots_per_uid bounds a uid's connections together (each also
+ * bounded by max_slots_per_client) and not other uids; with slots_persist it
+ * bounds what the uid keeps after its connections closed.  hello announces it. */
+static void test_slots_per_uid(void **unused)
+{
+    dh_daemon d;
+    dh_client c1, c2;
+    char msg[1024];
+    start(&d, "limits:\n  max_slots_per_client: 2\n  max_slots_per_uid: 3\n");
+    dh_connect(&c1, &d);
+    dh_hello(&c1);
+    assert_int_equal(c1.session.limits.max_slots_per_uid, 3);
+    dh_connect(&c2, &d);
+    dh_hello(&c2);
+    dh_expect_result(&c1, send_alloc(&c1, 2));
+    uint64_t mine = dh_alloc(&c2);
+    dh_expect_error(&c2, send_alloc(&c2, 1), KP_E_QUOTA_EXCEEDED,
+                    "max_slots_per_uid 3 (uid 0 holds 3)");
+    /* another uid has its own bound (and cannot touch root's slots) */
+    identity plain = {NOBODY, NOBODY, {0}, 0};
+    if (run_as(&plain, &d, child_touch_slot, &mine, msg, sizeof(msg)) != 0)
+        fail_msg("uid 65534: %s", msg);
+    dh_close(&c1);
+    dh_close(&c2);
+    dh_stop(&d);
+
+    /* slots_persist: the uid keeps its three after disconnecting, and no more */
+    dh_daemon p;
+    start(&p, "slots_persist: true\nlimits:\n  max_slots_per_client: 8\n"
+              "  max_slots_per_uid: 3\n");
+    dh_connect(&c1, &p);
+    dh_hello(&c1);
+    dh_expect_result(&c1, send_alloc(&c1, 3));
+    dh_close(&c1);
+    dh_connect(&c2, &p);
+    dh_hello(&c2);
+    dh_expect_error(&c2, send_alloc(&c2, 1), KP_E_QUOTA_EXCEEDED,
+                    "max_slots_per_uid 3 (uid 0 holds 3)");
+    kp_slot_info_params ip = {false, {NULL, 0}};
+    uint32_t id = dh_id(&c2);
+    assert_int_equal(kp_slot_info_params_encode(&c2.w, id, &ip, NULL), KP_OK);
+    dh_send(&c2);
+    dh_expect_result(&c2, id);
+    kp_slot_info_result ir;
+    assert_int_equal(kp_slot_info_result_decode(&c2.msg, &ir, NULL), KP_OK);
+    assert_int_equal(ir.nslots, 3);
+    assert_int_equal(ir.quota_left, 0);
+    kp_stats_result st;
+    dh_stats(&c2, &st);
+    assert_int_equal(st.uid_slots, 3);
+    dh_close(&c2);
+    dh_stop(&p);
+}
+
+/* Output of a prefill on c (layer name, a fresh slot of c) against the
+ * oracle of weights l: its relative RMS error. */
+static double prefill_error(dh_client *c, const char *name, const dh_layer *l, const dh_seq *s)
+{
+    const size_t n = (size_t)s->len * DH_HEADS * 128;
+    uint16_t *out = malloc(n * sizeof(uint16_t));
+    double *state = calloc(DH_STATE_ELEMS, sizeof(double)), *ref = calloc(n, sizeof(double));
+    uint64_t slot = dh_alloc(c);
+    uint32_t id = dh_send_prefill(c, name, slot, s, 0);
+    assert_int_equal(dh_recv_prefill(c, id, s, out), s->len);
+    dh_oracle(l, s, state, ref);
+    double e = dh_err_bf16(out, ref, n);
+    send_slot_list(c, id = dh_id(c), KP_METHOD_SLOT_FREE, slot);
+    dh_expect_result(c, id);
+    free(out);
+    free(state);
+    free(ref);
+    return e;
+}
+
+/*
+ * Layer names are each uid's own.  Root's second client still holds a
+ * registration of "shared.L" when the first drops its own; another uid then
+ * registers "shared.L" with other weights: it gets a layer of its own (and
+ * runs on it), root's next prefill still runs on root's weights, neither
+ * sees nor drops the other's layers.
+ */
+static void test_layer_names_per_uid(void **unused)
+{
+    dh_daemon d;
+    dh_client c1, c2;
+    dh_layer l, other;
+    dh_seq s;
+    test_rng r;
+    char msg[1024];
+    rng_seed(&r, 31);
+    dh_layer_make(&l, &r);
+    dh_layer_make(&other, &r);
+    dh_seq_make(&s, &r, 48);
+    start(&d, NULL);
+    dh_connect(&c1, &d);
+    dh_hello(&c1);
+    dh_connect(&c2, &d);
+    dh_hello(&c2);
+    dh_register_layer(&c1, "shared.L", &l);
+    dh_register_layer(&c2, "shared.L", &l);
+    dh_register_layer(&c1, "root.L", &l);
+    kp_layer_drop_params dp = {"shared.L"};
+    uint32_t id = dh_id(&c1);
+    assert_int_equal(kp_layer_drop_params_encode(&c1.w, id, &dp, NULL), KP_OK);
+    dh_send(&c1);
+    dh_expect_result(&c1, id);
+
+    identity plain = {NOBODY, NOBODY, {0}, 0};
+    layer_job job = {&other, &s};
+    if (run_as(&plain, &d, child_own_layer, &job, msg, sizeof(msg)) != 0)
+        fail_msg("uid 65534 on \"shared.L\": %s", msg);
+    /* root's results: its own weights, not the other uid's */
+    assert_true(prefill_error(&c2, "shared.L", &l, &s) <= OUT_TOL);
+    assert_true(prefill_error(&c1, "shared.L", &other, &s) > 10 * OUT_TOL); /* a real check */
+    id = dh_id(&c2);
+    assert_int_equal(kp_layer_list_params_encode(&c2.w, id, NULL), KP_OK);
+    dh_send(&c2);
+    dh_expect_result(&c2, id);
+    kp_layer_list_result ll;
+    assert_int_equal(kp_layer_list_result_decode(&c2.msg, &ll, NULL), KP_OK);
+    assert_int_equal(ll.nlayers, 2); /* shared.L and root.L: not the other uid's */
+    dh_seq_free(&s);
+    dh_close(&c1);
+    dh_close(&c2);
+    dh_stop(&d);
+}
+
+/* limits.max_layers_per_uid counts each uid apart: root holding its bound
+ * leaves the other uid its own. */
+static void test_layers_per_uid(void **unused)
+{
+    dh_daemon d;
+    dh_client c1;
+    dh_layer l;
+    test_rng r;
+    char msg[1024];
+    rng_seed(&r, 32);
+    dh_layer_make(&l, &r);
+    start(&d, "limits:\n  max_layers: 5\n  max_layers_per_uid: 2\n");
+    dh_connect(&c1, &d);
+    dh_hello(&c1);
+    assert_int_equal(c1.session.limits.max_layers_per_uid, 2);
+    dh_register_layer(&c1, "root.L", &l);
+    dh_register_layer(&c1, "root.K", &l);
+    kp_layer_register_params lp = {"root.M", kp_ref_inline(l.A_log, sizeof(l.A_log)),
+                                   kp_ref_inline(l.dt_bias, sizeof(l.dt_bias)), l.lower_bound,
+                                   l.scale};
+    uint32_t id = dh_id(&c1);
+    assert_int_equal(kp_layer_register_params_encode(&c1.w, id, &lp, NULL), KP_OK);
+    dh_send(&c1);
+    dh_expect_error(&c1, id, KP_E_QUOTA_EXCEEDED,
+                    "uid 0 holds 2 layers, limits.max_layers_per_uid");
+    identity plain = {NOBODY, NOBODY, {0}, 0};
+    int two = 2;
+    if (run_as(&plain, &d, child_layers_up_to_quota, &two, msg, sizeof(msg)) != 0 ||
+        !strstr(msg, "uid 65534 holds 2 layers"))
+        fail_msg("uid 65534 registering: %s", msg);
+    dh_close(&c1);
+    dh_stop(&d);
+}
+
 int main(void)
 {
     if (geteuid() != 0) {
@@ -586,6 +852,9 @@ int main(void)
         cmocka_unit_test_teardown(test_inflight_bytes_total, dh_teardown),
         cmocka_unit_test_teardown(test_slots_belong_to_their_connection, dh_teardown),
         cmocka_unit_test_teardown(test_slots_belong_to_their_uid, dh_teardown),
+        cmocka_unit_test_teardown(test_slots_per_uid, dh_teardown),
+        cmocka_unit_test_teardown(test_layer_names_per_uid, dh_teardown),
+        cmocka_unit_test_teardown(test_layers_per_uid, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -237,10 +238,62 @@ static void test_bad_values_name_the_place(void **unused)
     refused("layers:\n  - {name: a, file: x, lower_bound: -1}\n"
             "  - {name: a, file: y, lower_bound: -2}\n",
             "t.yaml:3:5: layers: layer \"a\" is defined twice (first at line 2)");
-    /* YAML itself */
+    /* per-uid bounds: within the daemon-wide ones; 0 sizes them from those */
+    refused("limits:\n  max_layers: 10\n  max_layers_per_uid: 11\n",
+            "t.yaml:3:23: limits.max_layers_per_uid: 11 is above limits.max_layers 10");
+    refused("slots: 8\nlimits:\n  max_slots_per_uid: 9\n",
+            "t.yaml:3:22: limits.max_slots_per_uid: 9 is above the pool's 8 slots");
     kd_config c;
+    assert_int_equal(load(&c, "slots: 8\nlimits:\n  max_layers: 9\n"), 0);
+    assert_int_equal(c.limits.max_layers_per_uid, 5);
+    assert_int_equal(c.limits.max_slots_per_uid, 8);
+    kd_config_free(&c);
+    /* YAML itself */
     assert_int_equal(load(&c, "heads: [\n"), -1);
     assert_non_null(strstr(err, "t.yaml:2:1: YAML syntax:"));
+}
+
+/* elapsed wall time since *t0, in seconds */
+static double since(const struct timespec *t0)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)(t.tv_sec - t0->tv_sec) + (double)(t.tv_nsec - t0->tv_nsec) / 1e9;
+}
+
+/* 100,000 nested flow collections (libyaml's scanner is quadratic in their
+ * depth: minutes) are refused at once, at the first level too deep. */
+static void test_deep_nesting_refused_quickly(void **unused)
+{
+    enum { LEVELS = 100000 };
+    static const char *const open_close[][3] = {{"[", "]", "t.yaml:1:71"},
+                                                 {"{a: ", "}", "t.yaml:1:260"}};
+    for (size_t k = 0; k < 2; k++) {
+        size_t lo = strlen(open_close[k][0]), lc = strlen(open_close[k][1]);
+        char *text = malloc(7 + LEVELS * (lo + lc) + 3);
+        size_t n = 0;
+        memcpy(text, "heads: ", 7);
+        n = 7;
+        for (int i = 0; i < LEVELS; i++, n += lo)
+            memcpy(text + n, open_close[k][0], lo);
+        text[n++] = '1';
+        for (int i = 0; i < LEVELS; i++, n += lc)
+            memcpy(text + n, open_close[k][1], lc);
+        text[n++] = '\n';
+        text[n] = '\0';
+        struct timespec t0;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        kd_config c;
+        assert_int_equal(kd_config_load_text(&c, "t.yaml", text, n, err, sizeof(err)), -1);
+        double took = since(&t0);
+        free(text);
+        char want[96];
+        snprintf(want, sizeof(want), "%s: collections nested deeper than 64 levels",
+                 open_close[k][2]);
+        assert_string_equal(err, want);
+        if (took > 1.0)
+            fail_msg("refusing %d levels took %.2f s", LEVELS, took);
+    }
 }
 
 static void test_overrides_and_files(void **unused)
@@ -372,6 +425,7 @@ int main(void)
         cmocka_unit_test(test_builtin_default),
         cmocka_unit_test(test_file_over_default),
         cmocka_unit_test(test_bad_values_name_the_place),
+        cmocka_unit_test(test_deep_nesting_refused_quickly),
         cmocka_unit_test(test_overrides_and_files),
         cmocka_unit_test(test_default_socket_path),
         cmocka_unit_test(test_layer_files),

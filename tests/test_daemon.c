@@ -161,11 +161,14 @@ static void test_hello_and_layers(void **unused)
     assert_string_equal(ll.layers[0].name, "L0");
     assert_int_equal(ll.layers[0].source, KP_LAYER_SOURCE_CLIENT);
 
+    /* registered twice: two drops give the registrations back, a third finds nothing */
     kp_layer_drop_params dp = {"L0"};
-    id = dh_id(&c);
-    assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
-    dh_send(&c);
-    dh_expect_result(&c, id);
+    for (int i = 0; i < 2; i++) {
+        id = dh_id(&c);
+        assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
+        dh_send(&c);
+        dh_expect_result(&c, id);
+    }
     id = dh_id(&c);
     assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
     dh_send(&c);
@@ -749,6 +752,178 @@ static void test_handles_positions_and_quotas(void **unused)
     dh_seq_free(&s);
     dh_seq_free(&t);
     dh_close(&other);
+    dh_stop(&d);
+}
+
+/* layer.register: created, or false for the same weights again. */
+static bool register_layer(dh_client *c, const char *name, const dh_layer *l)
+{
+    kp_layer_register_params p = {name, kp_ref_inline(l->A_log, sizeof(l->A_log)),
+                                  kp_ref_inline(l->dt_bias, sizeof(l->dt_bias)), l->lower_bound,
+                                  l->scale};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_layer_register_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_layer_register_result r;
+    assert_int_equal(kp_layer_register_result_decode(&c->msg, &r, NULL), KP_OK);
+    return r.created;
+}
+
+static uint32_t send_drop(dh_client *c, const char *name)
+{
+    kp_layer_drop_params p = {name};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_layer_drop_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    return id;
+}
+
+/*
+ * Layers count registrations: two clients (two kdactl runs, two workers of a
+ * serving stack) registering the same weights each hold one, and the first
+ * one's drop leaves the layer to the second.  Other weights under a live
+ * name are refused; a request in flight keeps the weights it admitted.
+ */
+static void test_layer_registrations(void **unused)
+{
+    dh_daemon d;
+    dh_client a, b;
+    dh_layer l, other;
+    dh_seq s;
+    test_rng r;
+    uint16_t *out = malloc(DH_TOKEN_BYTES(64));
+    start(&d, NULL);
+    rng_seed(&r, 21);
+    dh_layer_make(&l, &r);
+    dh_layer_make(&other, &r);
+    dh_seq_make(&s, &r, 64);
+    dh_connect(&a, &d);
+    dh_hello(&a);
+    dh_connect(&b, &d);
+    dh_hello(&b);
+
+    assert_true(register_layer(&a, "L", &l));
+    assert_false(register_layer(&b, "L", &l));
+    dh_expect_result(&a, send_drop(&a, "L"));
+    uint64_t slot = dh_alloc(&b);
+    uint32_t id = dh_send_prefill(&b, "L", slot, &s, 0);
+    assert_int_equal(dh_recv_prefill(&b, id, &s, out), 64);
+    check_oracle(&b, &l, slot, &s, out);
+
+    /* other weights under the live name: refused, the layer unchanged */
+    kp_layer_register_params op = {"L", kp_ref_inline(other.A_log, sizeof(other.A_log)),
+                                   kp_ref_inline(other.dt_bias, sizeof(other.dt_bias)),
+                                   other.lower_bound, other.scale};
+    id = dh_id(&a);
+    assert_int_equal(kp_layer_register_params_encode(&a.w, id, &op, NULL), KP_OK);
+    dh_send(&a);
+    dh_expect_error(&a, id, KP_E_LAYER_EXISTS, "with other weights (registrations: 1)");
+
+    /* a prefill and the last drop pipelined: the prefill keeps its weights */
+    uint64_t fresh = dh_alloc(&b);
+    id = dh_send_prefill(&b, "L", fresh, &s, 0);
+    uint32_t did = send_drop(&b, "L");
+    assert_int_equal(dh_recv_prefill(&b, id, &s, out), 64);
+    dh_expect_result(&b, did);
+    check_oracle(&b, &l, fresh, &s, out);
+    id = dh_send_prefill(&b, "L", fresh, &s, 64);
+    dh_expect_error(&b, id, KP_E_UNKNOWN_LAYER, "no layer \"L\"");
+    dh_expect_error(&b, send_drop(&b, "L"), KP_E_UNKNOWN_LAYER, "has no layer \"L\"");
+
+    /* now free: other weights may take the name */
+    assert_true(register_layer(&a, "L", &other));
+
+    free(out);
+    dh_seq_free(&s);
+    dh_close(&a);
+    dh_close(&b);
+    dh_stop(&d);
+}
+
+/* limits.max_layers_per_uid: announced in hello (as is max_slots_per_uid),
+ * counted over a uid's connections, below the daemon-wide max_layers.
+ * (Other uids: test_access.) */
+static void test_layers_per_uid(void **unused)
+{
+    dh_daemon d;
+    dh_client a, b;
+    dh_layer l;
+    test_rng r;
+    start(&d, "limits:\n  max_layers: 5\n  max_layers_per_uid: 3\n");
+    rng_seed(&r, 23);
+    dh_layer_make(&l, &r);
+    dh_connect(&a, &d);
+    dh_hello(&a);
+    dh_connect(&b, &d);
+    dh_hello(&b);
+    assert_int_equal(a.session.limits.max_layers, 5);
+    assert_int_equal(a.session.limits.max_layers_per_uid, 3);
+    assert_int_equal(a.session.limits.max_slots_per_uid, 64); /* 0 in the file: the pool */
+    assert_true(register_layer(&a, "L0", &l));
+    assert_true(register_layer(&a, "L1", &l));
+    assert_true(register_layer(&b, "L2", &l));
+    kp_layer_register_params lp = {"L3", kp_ref_inline(l.A_log, sizeof(l.A_log)),
+                                   kp_ref_inline(l.dt_bias, sizeof(l.dt_bias)), l.lower_bound,
+                                   l.scale};
+    uint32_t id = dh_id(&b);
+    assert_int_equal(kp_layer_register_params_encode(&b.w, id, &lp, NULL), KP_OK);
+    dh_send(&b);
+    dh_expect_error(&b, id, KP_E_QUOTA_EXCEEDED, "holds 3 layers, limits.max_layers_per_uid");
+    assert_false(register_layer(&b, "L2", &l)); /* another registration is not another layer */
+    kp_stats_result st;
+    dh_stats(&a, &st); /* what the uid holds: in stats */
+    assert_true(st.has_uid);
+    assert_int_equal(st.uid, getuid());
+    assert_int_equal(st.uid_layers, 3);
+    assert_int_equal(st.uid_slots, 0);
+    assert_int_equal(st.layers, 3);
+    /* a name given back is room again */
+    dh_expect_result(&a, send_drop(&a, "L0"));
+    assert_true(register_layer(&b, "L3", &l));
+    dh_close(&a);
+    dh_close(&b);
+    dh_stop(&d);
+}
+
+/* A position never wraps: a prefill that would carry a slot past 2^64 - 1
+ * tokens is refused (LIMIT_EXCEEDED) and leaves the slot as it was. */
+static void test_position_limit(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq s;
+    test_rng r;
+    start(&d, NULL);
+    rng_seed(&r, 22);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&s, &r, 5);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_register_layer(&c, "L", &l);
+    uint64_t slot = dh_alloc(&c);
+    float *state = malloc(DH_STATE_ELEMS * sizeof(float));
+    float *back = malloc(DH_STATE_ELEMS * sizeof(float));
+    for (size_t i = 0; i < DH_STATE_ELEMS; i++)
+        state[i] = (float)(i % 97) / 97.0f - 0.5f;
+    write_state(&c, slot, UINT64_MAX - 1, KP_DTYPE_F32, state);
+    uint32_t id = dh_send_prefill(&c, "L", slot, &s, -1);
+    dh_expect_error(&c, id, KP_E_LIMIT_EXCEEDED, "is at position 18446744073709551614: 5 more "
+                    "tokens would pass the last position");
+    assert_true(slot_info(&c, slot, NULL).pos == UINT64_MAX - 1);
+    assert_true(dh_read_state(&c, slot, back) == UINT64_MAX - 1);
+    assert_memory_equal(back, state, DH_STATE_ELEMS * sizeof(float));
+    /* one token fits exactly; nothing more after it */
+    dh_seq one = dh_seq_slice(&s, 0, 1);
+    id = dh_send_prefill(&c, "L", slot, &one, -1);
+    assert_true(dh_recv_prefill(&c, id, &one, NULL) == UINT64_MAX);
+    id = dh_send_prefill(&c, "L", slot, &one, -1);
+    dh_expect_error(&c, id, KP_E_LIMIT_EXCEEDED, "2^64 - 1");
+    free(state);
+    free(back);
+    dh_seq_free(&s);
+    dh_close(&c);
     dh_stop(&d);
 }
 
@@ -1441,6 +1616,9 @@ int main(void)
         cmocka_unit_test_teardown(test_chunked_continuation, dh_teardown),
         cmocka_unit_test_teardown(test_fork_snapshot_restore, dh_teardown),
         cmocka_unit_test_teardown(test_handles_positions_and_quotas, dh_teardown),
+        cmocka_unit_test_teardown(test_layer_registrations, dh_teardown),
+        cmocka_unit_test_teardown(test_layers_per_uid, dh_teardown),
+        cmocka_unit_test_teardown(test_position_limit, dh_teardown),
         cmocka_unit_test_teardown(test_disconnect_mid_request, dh_teardown),
         cmocka_unit_test_teardown(test_malformed_frames, dh_teardown),
         cmocka_unit_test_teardown(test_sigterm_drains, dh_teardown),

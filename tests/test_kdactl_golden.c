@@ -4,8 +4,10 @@
  * accuracy contract (output and final-state relative RMS error at most
  * max(0.005, fla's error in the case's metadata)); synthetic inputs match
  * the float64 oracle on the same bytes and come out bit for bit the same
- * whether the tensors travel inline or through a shared-memory region; and
- * inputs that do not fit the daemon are refused with exit code 5.
+ * whether the tensors travel inline or through a shared-memory region;
+ * inputs that do not fit the daemon are refused with exit code 5; and many
+ * runs at once on the same files (each registering and dropping the same
+ * content-named layer) never break each other and leave nothing behind.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -14,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -213,11 +216,86 @@ static void test_random_inline_and_shm(void **state)
     assert_int_equal(kdad_stop(&d), 0);
 }
 
+/*
+ * Concurrent runs: RUNNERS processes loop `kdactl prefill` over three golden
+ * files at once against one daemon.  Runs of one file register the same
+ * content-named layer and drop it at their end, while others still use it:
+ * every run must succeed (the daemon counts registrations), every output
+ * meets the contract, and no layer or slot remains afterwards.
+ */
+#define RUNNERS 24 /* one slot each: within the pool of 64 */
+#define RUNS 5
+static void test_concurrent_prefills(void **state)
+{
+    static const char *const names[] = {"fixed_h4_t256", "beta_extreme_h4_t200",
+                                        "lb3_scale_h4_t300"};
+    enum { NFILES = sizeof(names) / sizeof(names[0]) };
+    char inputs[NFILES][512], out_path[RUNNERS][160], err[512];
+    for (int f = 0; f < NFILES; f++)
+        snprintf(inputs[f], sizeof(inputs[f]), "%s/%s.safetensors", golden_dir(), names[f]);
+    kdad_proc d;
+    assert_true(kdad_start(&d, 4, NULL));
+    pid_t pids[RUNNERS];
+    fflush(NULL);
+    for (int i = 0; i < RUNNERS; i++) {
+        snprintf(out_path[i], sizeof(out_path[i]), "%s/concurrent-%d.safetensors", tmpdir, i);
+        pids[i] = fork();
+        assert_true(pids[i] >= 0);
+        if (pids[i] > 0)
+            continue;
+        /* a runner: no cmocka here; the exit code and stderr tell */
+        for (int k = 0; k < RUNS; k++) {
+            cmd_result r = kdactl(d.sock, "prefill", "--input", inputs[(i + k) % NFILES],
+                                  "--output", out_path[i], NULL);
+            if (r.status != 0) {
+                fprintf(stderr, "runner %d, run %d: exit %d: %s", i, k, r.status, r.err);
+                _exit(1);
+            }
+            cmd_free(&r);
+        }
+        _exit(0);
+    }
+    int failed = 0;
+    for (int i = 0; i < RUNNERS; i++) {
+        int status;
+        failed += waitpid(pids[i], &status, 0) != pids[i] || !WIFEXITED(status) ||
+                  WEXITSTATUS(status) != 0;
+    }
+    if (failed) {
+        kdad_stop(&d);
+        fail_msg("%d of %d runners failed", failed, RUNNERS);
+    }
+    /* each runner's last output: the file of its last run, within the contract */
+    for (int i = 0; i < RUNNERS; i++) {
+        golden_case c;
+        if (golden_load(inputs[(i + RUNS - 1) % NFILES], &c, err, sizeof(err)))
+            fail_msg("%s", err);
+        result_file res;
+        open_result(&res, out_path[i], c.total_tokens, c.heads, c.nseqs);
+        assert_true(rel_rms_bf16(res.out, c.expected_out,
+                                 (size_t)c.total_tokens * c.heads * 128) <= bound(c.fla_out_err));
+        assert_true(rel_rms_f32(res.state, c.expected_state,
+                                (size_t)c.nseqs * c.heads * 128 * 128) <= bound(c.fla_state_err));
+        st_close(res.f);
+        golden_free(&c);
+        unlink(out_path[i]);
+    }
+    cmd_result r = kdactl(d.sock, "--json", "stats", NULL);
+    expect_exit(&r, 0);
+    json_object *o = json_out(&r);
+    assert_int_equal(jint(o, "pool.used"), 0);
+    assert_int_equal(jint(o, "layers"), 0);
+    json_object_put(o);
+    cmd_free(&r);
+    assert_int_equal(kdad_stop(&d), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_golden_cases),
         cmocka_unit_test(test_random_inline_and_shm),
+        cmocka_unit_test(test_concurrent_prefills),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -26,6 +26,14 @@ static void expect_code(int rc, const kp_error *e, int code, const char *substr)
         fail_msg("\"%s\" not in \"%s\"", substr, e->message);
 }
 
+/* kd_pool_alloc for an owner that is its own uid, without a per-uid bound. */
+static int alloc(kd_pool *p, uint64_t owner, uint32_t quota, uint32_t count, bool zero,
+                 uint64_t *handles, kp_error *e)
+{
+    kp_limits lim = {.max_slots_per_client = quota};
+    return kd_pool_alloc(p, owner, (uint32_t)owner, &lim, count, zero, handles, e);
+}
+
 static void test_handles_and_generations(void **unused)
 {
     kd_pool p;
@@ -33,7 +41,7 @@ static void test_handles_and_generations(void **unused)
     uint64_t h[4];
     uint32_t index;
     assert_int_equal(kd_pool_init(&p, 4, UINT32_MAX), KP_OK);
-    assert_int_equal(kd_pool_alloc(&p, OWNER_A, 8, 3, true, h, &e), KP_OK);
+    assert_int_equal(alloc(&p, OWNER_A, 8, 3, true, h, &e), KP_OK);
     for (int i = 0; i < 3; i++) {
         assert_int_equal(kp_slot_index(h[i]), i); /* handed out from index 0 up */
         assert_int_equal(kp_slot_generation(h[i]), UINT32_MAX);
@@ -67,7 +75,7 @@ static void test_handles_and_generations(void **unused)
     kd_pool_release(&p, 1);
     assert_int_equal(p.nfree, 2);
     uint64_t again;
-    assert_int_equal(kd_pool_alloc(&p, OWNER_B, 8, 1, false, &again, &e), KP_OK);
+    assert_int_equal(alloc(&p, OWNER_B, 8, 1, false, &again, &e), KP_OK);
     assert_int_equal(kp_slot_index(again), 1);
     assert_int_equal(kp_slot_generation(again), 1);
     assert_int_equal(kd_pool_slot(&p, 1)->state, KD_SLOT_EMPTY);
@@ -82,12 +90,12 @@ static void test_quotas_and_full_pool(void **unused)
     kp_error e;
     uint64_t h[8];
     assert_int_equal(kd_pool_init(&p, 6, 5), KP_OK);
-    assert_int_equal(kd_pool_alloc(&p, OWNER_A, 4, 3, true, h, &e), KP_OK);
-    expect_code(kd_pool_alloc(&p, OWNER_A, 4, 2, true, h, &e), &e, KP_E_QUOTA_EXCEEDED,
+    assert_int_equal(alloc(&p, OWNER_A, 4, 3, true, h, &e), KP_OK);
+    expect_code(alloc(&p, OWNER_A, 4, 2, true, h, &e), &e, KP_E_QUOTA_EXCEEDED,
                 "max_slots_per_client 4 (3 held)");
-    assert_int_equal(kd_pool_alloc(&p, OWNER_A, 4, 1, true, h, &e), KP_OK);
+    assert_int_equal(alloc(&p, OWNER_A, 4, 1, true, h, &e), KP_OK);
     /* all or nothing: 3 asked, 2 free */
-    expect_code(kd_pool_alloc(&p, OWNER_B, 8, 3, true, h, &e), &e, KP_E_POOL_FULL,
+    expect_code(alloc(&p, OWNER_B, 8, 3, true, h, &e), &e, KP_E_POOL_FULL,
                 "3 slots asked, 2 of 6 free");
     assert_int_equal(kd_pool_owned(&p, OWNER_B), 0);
     assert_int_equal(p.nfree, 2);
@@ -96,7 +104,77 @@ static void test_quotas_and_full_pool(void **unused)
     /* quota comes back at retire, before the slot is released */
     kd_pool_retire(&p, 0);
     assert_int_equal(kd_pool_owned(&p, OWNER_A), 3);
-    assert_int_equal(kd_pool_alloc(&p, OWNER_A, 4, 1, true, h, &e), KP_OK);
+    assert_int_equal(alloc(&p, OWNER_A, 4, 1, true, h, &e), KP_OK);
+    kd_pool_destroy(&p);
+}
+
+/* limits.max_slots_per_uid: a uid's owners (connections, or the uid itself
+ * with slots_persist) share one bound, which other uids do not touch. */
+static void test_uid_quota(void **unused)
+{
+    enum { UID_X = 1000, UID_Y = 1001 };
+    kd_pool p;
+    kp_error e;
+    uint64_t h[8];
+    kp_limits lim = {.max_slots_per_client = 4, .max_slots_per_uid = 5};
+    assert_int_equal(kd_pool_init(&p, 12, 3), KP_OK);
+    /* two connections of uid X: 3 + 2 slots, then nothing more for either */
+    assert_int_equal(kd_pool_alloc(&p, 11, UID_X, &lim, 3, true, h, &e), KP_OK);
+    assert_int_equal(kd_pool_alloc(&p, 12, UID_X, &lim, 2, true, h + 3, &e), KP_OK);
+    expect_code(kd_pool_alloc(&p, 12, UID_X, &lim, 1, true, h, &e), &e, KP_E_QUOTA_EXCEEDED,
+                "max_slots_per_uid 5 (uid 1000 holds 5)");
+    expect_code(kd_pool_alloc(&p, 13, UID_X, &lim, 1, true, h, &e), &e, KP_E_QUOTA_EXCEEDED,
+                "max_slots_per_uid 5");
+    assert_int_equal(kd_pool_uid_holds(&p, UID_X), 5);
+    assert_int_equal(kd_pool_quota_left(&p, 13, UID_X, &lim), 0);
+    /* uid Y has its own bound */
+    assert_int_equal(kd_pool_quota_left(&p, 14, UID_Y, &lim), 4);
+    assert_int_equal(kd_pool_alloc(&p, 14, UID_Y, &lim, 4, true, h + 5, &e), KP_OK);
+    assert_int_equal(kd_pool_uid_holds(&p, UID_Y), 4);
+    /* freeing one of X's gives X one back */
+    kd_pool_retire(&p, kp_slot_index(h[0]));
+    assert_int_equal(kd_pool_uid_holds(&p, UID_X), 4);
+    assert_int_equal(kd_pool_quota_left(&p, 13, UID_X, &lim), 1);
+    assert_int_equal(kd_pool_alloc(&p, 13, UID_X, &lim, 1, true, h, &e), KP_OK);
+    /* a full pool is POOL_FULL (retryable) before the uid's bound */
+    kp_limits whole = {.max_slots_per_client = 16, .max_slots_per_uid = 12};
+    uint64_t last[2];
+    assert_int_equal(kd_pool_alloc(&p, 16, 1002, &whole, 2, true, last, &e), KP_OK);
+    assert_int_equal(p.nfree, 0);
+    expect_code(kd_pool_alloc(&p, 16, 1002, &whole, 11, true, h, &e), &e, KP_E_POOL_FULL,
+                "11 slots asked, 0 of 12 free");
+    for (int i = 0; i < 2; i++) {
+        kd_pool_retire(&p, kp_slot_index(last[i]));
+        kd_pool_release(&p, kp_slot_index(last[i]));
+    }
+    /* 0: no per-uid bound */
+    lim.max_slots_per_uid = 0;
+    assert_int_equal(kd_pool_alloc(&p, 15, UID_X, &lim, 2, true, h, &e), KP_OK);
+    assert_int_equal(kd_pool_uid_holds(&p, UID_X), 7);
+    kd_pool_destroy(&p);
+}
+
+/* Positions never wrap past 2^64 - 1. */
+static void test_position_limit(void **unused)
+{
+    kd_pool p;
+    kp_error e;
+    uint64_t h, pos = 7;
+    assert_int_equal(kd_pool_init(&p, 2, 1), KP_OK);
+    assert_int_equal(alloc(&p, OWNER_A, 8, 1, true, &h, &e), KP_OK);
+    kd_pool_set_ready(&p, 0, UINT64_MAX - 2, false);
+    assert_int_equal(kd_pool_next_pos(&p, 0, false, 2, "seqs[0].slot", &pos, &e), KP_OK);
+    assert_true(pos == UINT64_MAX);
+    assert_int_equal(kd_pool_next_pos(&p, 0, false, 0, "seqs[0].slot", &pos, &e), KP_OK);
+    assert_true(pos == UINT64_MAX - 2);
+    pos = 7;
+    expect_code(kd_pool_next_pos(&p, 0, false, 3, "seqs[0].slot", &pos, &e), &e,
+                KP_E_LIMIT_EXCEEDED, "seqs[0].slot: slot 0x100000000 is at position "
+                "18446744073709551613: 3 more tokens");
+    assert_true(pos == 7);
+    /* a fresh sequence starts from 0 */
+    assert_int_equal(kd_pool_next_pos(&p, 0, true, 5, "slot", &pos, &e), KP_OK);
+    assert_true(pos == 5);
     kd_pool_destroy(&p);
 }
 
@@ -106,7 +184,7 @@ static void test_positions_and_status(void **unused)
     kp_error e;
     uint64_t h[2];
     assert_int_equal(kd_pool_init(&p, 4, 9), KP_OK);
-    assert_int_equal(kd_pool_alloc(&p, OWNER_A, 8, 1, false, h, &e), KP_OK);
+    assert_int_equal(alloc(&p, OWNER_A, 8, 1, false, h, &e), KP_OK);
     assert_int_equal(kd_pool_status(&p, 0), KP_SLOT_EMPTY);
     expect_code(kd_pool_check_ready(&p, 0, "seqs[0].slot", &e), &e, KP_E_STATE_LOST,
                 "seqs[0].slot: slot 0x900000000 is empty");
@@ -119,7 +197,7 @@ static void test_positions_and_status(void **unused)
     assert_int_equal(kd_pool_slot(&p, 0)->pos, 500);
 
     /* fork: the destination takes the source's position and status */
-    assert_int_equal(kd_pool_alloc(&p, OWNER_A, 8, 1, true, h + 1, &e), KP_OK);
+    assert_int_equal(alloc(&p, OWNER_A, 8, 1, true, h + 1, &e), KP_OK);
     const kd_slot *src = kd_pool_slot(&p, 0);
     kd_pool_set_ready(&p, 1, src->pos, src->zero);
     assert_int_equal(kd_pool_slot(&p, 1)->pos, 500);
@@ -237,6 +315,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_handles_and_generations),
         cmocka_unit_test(test_quotas_and_full_pool),
+        cmocka_unit_test(test_uid_quota),
+        cmocka_unit_test(test_position_limit),
         cmocka_unit_test(test_positions_and_status),
         cmocka_unit_test(test_cpu_slot_operations),
     };

@@ -59,6 +59,8 @@ static void assert_limits_equal(const kp_limits *a, const kp_limits *b)
     assert_int_equal(a->max_inflight_requests, b->max_inflight_requests);
     assert_int_equal(a->max_inflight_bytes, b->max_inflight_bytes);
     assert_int_equal(a->max_layers, b->max_layers);
+    assert_int_equal(a->max_layers_per_uid, b->max_layers_per_uid);
+    assert_int_equal(a->max_slots_per_uid, b->max_slots_per_uid);
 }
 
 static void test_hello_result_round_trip(void **state)
@@ -172,7 +174,8 @@ static void test_health_stats_round_trip(void **state)
         .latency_count = 15, .latency_p50_us = 80,
         .latency_p90_us = 900, .latency_p99_us = 9000, .latency_max_us = 20000,
         .latency_bounds_us = bounds, .latency_counts = counts, .latency_nbounds = 4,
-        .slots_total = 64, .slots_used = 10, .slots_lost = 1, .layers = 2, .regions = 3,
+        .slots_total = 64, .slots_used = 10, .slots_lost = 1, .layers = 2,
+        .has_uid = true, .uid = 1000, .uid_layers = 1, .uid_slots = 7, .regions = 3,
         .rings = 4, .ring_doorbells = 99, .errors = errors, .nerrors = 2, .disconnects = disconnects, .ndisconnects = 1,
         .bytes_in = {100, 200, 300}, .bytes_out = {400, 500, 600},
     };
@@ -201,6 +204,10 @@ static void test_health_stats_round_trip(void **state)
     assert_int_equal(g.slots_used, 10);
     assert_int_equal(g.slots_lost, 1);
     assert_int_equal(g.layers, 2);
+    assert_true(g.has_uid);
+    assert_int_equal(g.uid, 1000);
+    assert_int_equal(g.uid_layers, 1);
+    assert_int_equal(g.uid_slots, 7);
     assert_int_equal(g.regions, 3);
     assert_int_equal(g.rings, 4);
     assert_int_equal(g.ring_doorbells, 99);

@@ -425,6 +425,15 @@ typedef struct kdac_prefill_result {
     uint64_t kernel_us;
 } kdac_prefill_result;
 
+typedef struct kdac_step_result {
+    uint32_t nseqs;
+    const uint64_t *pos; /* [nseqs]: each slot's position after the step */
+    uint64_t queue_us;   /* as kdac_prefill_result */
+    uint64_t run_us;
+    uint64_t device_us;
+    uint64_t kernel_us;  /* the step kernel's share of device_us */
+} kdac_step_result;
+
 typedef struct kdac_slot_info_result {
     uint32_t nslots;
     const kdac_slot_entry *slots; /* [nslots] */
@@ -440,6 +449,7 @@ typedef struct kdac_result {
     kdac_error error; /* code 0 on success; else why the request failed */
     union {
         kdac_prefill_result prefill;                          /* prefill */
+        kdac_step_result step;                                /* step */
         struct { uint32_t nslots; const uint64_t *slots; } alloc; /* slot.alloc */
         struct { uint64_t slot, pos; } fork;                  /* slot.fork */
         struct { uint64_t pos; kdac_dtype dtype; } read;      /* slot.read */
@@ -497,6 +507,44 @@ KDAC_EXPORT int kdac_prefill(kdac_client *c, const char *layer, const kdac_seq *
  * memory it names is not) and returns; cb gets u.prefill. */
 KDAC_EXPORT int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs,
                                   uint32_t nseqs, kdac_cb cb, void *data, kdac_error *err);
+
+/* ------------------------------------------------------------------------ */
+/* Decode steps                                                              */
+/* ------------------------------------------------------------------------ */
+
+#define KDAC_STEP_MAX_TOKENS 16 /* tokens per sequence of a step */
+
+/*
+ * One decode step (PROTOCOL.md §step): nseqs sequences of lens[i] tokens
+ * each, continuing the states in slots[i], their tokens back to back in one
+ * tensor per input (T = the sum of lens):
+ *   q, k, v, g, out   bf16 [T][H][128]     beta   bf16 [T][H]
+ *   states            the pool's dtype [T][H][128][128], region only: the state
+ *                     after every token (for rolling back a speculative draft)
+ * Only daemons that list the feature "step" in hello serve it.
+ */
+typedef struct kdac_step_request {
+    uint32_t nseqs;               /* 1..max_seqs_per_request */
+    const uint64_t *slots;        /* [nseqs] slot handles, each once */
+    const uint8_t *lens;          /* [nseqs] tokens, each 1..KDAC_STEP_MAX_TOKENS */
+    const uint64_t *expect_pos;   /* NULL, or [nseqs]: each slot's position must equal it */
+    kdac_tensor q, k, v, g, beta;
+    kdac_output out;              /* region, or inline (copied to out.data) */
+    kdac_output states;           /* region, or region 0 and data NULL: not kept */
+} kdac_step_request;
+
+/*
+ * Runs one step with the weights of `layer` in one device launch: all of it
+ * applies or none.  The lists are copied before it returns (the send form
+ * too); tensor memory must stay as for kdac_prefill.  res (may be NULL)
+ * receives the new positions and the timings.  Errors: as kdac_prefill, and
+ * UNKNOWN_METHOD from a daemon without the feature.
+ */
+KDAC_EXPORT int kdac_step(kdac_client *c, const char *layer, const kdac_step_request *step,
+                          kdac_step_result *res, kdac_error *err);
+/* The non-blocking form; cb gets u.step. */
+KDAC_EXPORT int kdac_step_send(kdac_client *c, const char *layer, const kdac_step_request *step, kdac_cb cb,
+                               void *data, kdac_error *err);
 
 /* ------------------------------------------------------------------------ */
 /* Slots                                                                     */
@@ -653,10 +701,13 @@ typedef struct kdac_layer {
 } kdac_layer;
 
 /*
- * Registers a named layer, daemon-wide.  *created (may be NULL) is false
- * when an identical layer of that name already existed (so many processes
- * can register the same layer without coordinating).  Errors: LAYER_EXISTS
- * (same name, other content), QUOTA_EXCEEDED, INVALID_PARAMS.
+ * Registers a named layer for the caller's uid (each uid names its own
+ * layers; configuration layers are everyone's).  *created (may be NULL) is
+ * false when an identical layer of that name already existed (so many
+ * processes can register the same layer without coordinating).  Each
+ * success takes one registration, which kdac_layer_drop gives back.
+ * Errors: LAYER_EXISTS (same name, other content), QUOTA_EXCEEDED
+ * (max_layers or max_layers_per_uid), INVALID_PARAMS.
  */
 KDAC_EXPORT int kdac_layer_register(kdac_client *c, const kdac_layer *layer, bool *created,
                                     kdac_error *err);
@@ -673,9 +724,10 @@ typedef struct kdac_layer_info {
 KDAC_EXPORT int kdac_layer_list(kdac_client *c, kdac_layer_info *layers, uint32_t cap,
                                 uint32_t *n, kdac_error *err);
 
-/* Removes a layer's name (running requests keep its weights until they
- * finish).  Errors: UNKNOWN_LAYER, PERMISSION_DENIED (a configuration layer,
- * or another uid's). */
+/* Gives back one registration of the caller's uid's layer; the name goes
+ * with the last (running requests keep its weights until they finish).
+ * Errors: UNKNOWN_LAYER (the uid has no layer of that name: other uids'
+ * names are their own), PERMISSION_DENIED (a configuration layer). */
 KDAC_EXPORT int kdac_layer_drop(kdac_client *c, const char *name, kdac_error *err);
 
 /* ------------------------------------------------------------------------ */

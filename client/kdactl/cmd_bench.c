@@ -106,7 +106,7 @@ typedef struct bench {
     bench_client *clients;
     bench_req *reqs; /* [clients * depth] */
     char layer[KDAC_NAME_MAX + 1];
-    bool layer_created;
+    bool layer_registered; /* holds one registration, given back at teardown */
     uint64_t rng;
     uint32_t mixed_next;
     /* progress of the run */
@@ -378,10 +378,11 @@ static int setup(bench *b)
                 return ctl_error(b->g, EXIT_INPUT, "out of memory");
             layer_weights_name(&w, b->layer, sizeof(b->layer));
             kdac_layer layer = {b->layer, w.A_log, w.dt_bias, w.lower_bound, w.scale};
-            rc = kdac_layer_register(bc->c, &layer, &b->layer_created, &err);
+            rc = kdac_layer_register(bc->c, &layer, NULL, &err);
             layer_weights_free(&w);
             if (rc)
                 return ctl_fail(b->g, "bench: register the layer", &err);
+            b->layer_registered = true;
         }
         if ((rc = bench_region_init(&bc->reg, &b->data, bc->c, (uint32_t)i, (uint32_t)b->o.depth,
                                     &err)))
@@ -419,7 +420,7 @@ static void teardown(bench *b)
         if (bc->slots)
             kdac_slot_free(bc->c, bc->slots, (uint32_t)(b->o.depth * b->o.seqs), NULL);
         bench_region_free(&bc->reg, bc->c);
-        if (i == 0 && b->layer_created)
+        if (i == 0 && b->layer_registered)
             kdac_layer_drop(bc->c, b->layer, NULL);
         kdac_client_close(bc->c);
         free(bc->slots);

@@ -3,7 +3,9 @@
  * synthetic inputs) through the daemon and writes what came back.
  *
  * The run: register the input's layer (under a name derived from its
- * content, dropped again if this run created it), allocate one fresh slot
+ * content; the daemon counts registrations, so the run's drop at the end
+ * gives back its own and never pulls the layer from under a concurrent run
+ * of the same input), allocate one fresh slot
  * per sequence, write the initial states into them, one prefill request of
  * every sequence (inline, or through a shared-memory region when the
  * tensors exceed the inline cap), read the final states back as f32, free
@@ -64,6 +66,7 @@ typedef struct run {
     prefill_input in;
     char layer[KDAC_NAME_MAX + 1];
     bool layer_created;
+    bool layer_registered;        /* holds one registration, given back at the end */
     uint64_t *slots;              /* [N], allocated when slots_allocated */
     bool slots_allocated;
     kdac_seq *seqs;               /* [N] */
@@ -267,7 +270,7 @@ static void run_cleanup(run *r)
             kdac_slot_free(r->c, r->slots, r->in.nseqs, NULL);
         if (r->region)
             kdac_region_release(r->c, r->region, NULL);
-        if (r->layer_created)
+        if (r->layer_registered)
             kdac_layer_drop(r->c, r->layer, NULL);
         kdac_client_close(r->c);
     }
@@ -321,7 +324,8 @@ static void print_summary(const run *r, const char *output)
            info->backend, info->has_gpu ? ", " : "", info->has_gpu ? info->gpu_name : "",
            kdac_client_path(r->c));
     printf("  layer      %s (%s)\n", r->layer,
-           r->layer_created ? "registered for this run, then dropped" : "already registered");
+           r->layer_created ? "registered for this run, then dropped"
+                                : "already registered; this run's registration dropped");
     printf("  transport  %s: %s in, %s out\n", r->transport, bin, bout);
     printf("  time       %.1f ms end to end, daemon queue %.1f ms + run %.1f ms; "
            "%.0f tokens/s\n", r->seconds * 1e3, r->queue_us / 1e3, r->run_us / 1e3, tps);
@@ -354,6 +358,7 @@ static int run_steps(run *r, transport tr)
                         in->weights.lower_bound, in->weights.scale};
     if (kdac_layer_register(r->c, &layer, &r->layer_created, &err))
         return ctl_fail(r->g, "prefill: register the layer", &err);
+    r->layer_registered = true;
     unsigned flags = in->initial_state ? KDAC_SLOT_ALLOC_EMPTY : 0;
     if (kdac_slot_alloc(r->c, (uint32_t)N, flags, r->slots, &err))
         return ctl_fail(r->g, "prefill: allocate slots", &err);

@@ -58,6 +58,12 @@ struct pending {
             uint64_t *pos;        /* result positions */
             uint32_t nseqs;
         } prefill;
+        struct {
+            void *lists;          /* slots, expect_pos, lens: the caller's, copied */
+            void *out;            /* inline output destination, NULL: discard */
+            uint64_t *pos;        /* result positions */
+            kp_step_params req;   /* the request as encoded (counts, out kind) */
+        } step;
         uint32_t alloc_count;
         struct {
             void *dst;            /* inline state destination, NULL with an out region */
