@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <yaml.h>
@@ -111,6 +112,13 @@ static const key_spec schema[] = {
     SIZE("clients.output_hard_limit", OFF(output_hard_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     SIZE("clients.output_soft_limit", OFF(output_soft_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     U32("clients.output_soft_seconds", output_soft_seconds, 1, 86400),
+    SIZE("clients.max_output_bytes_per_uid", OFF(max_output_bytes_per_uid), 0, 1ull << 46),
+    SIZE("clients.max_output_bytes_total", OFF(max_output_bytes_total), 0, 1ull << 46),
+    SIZE("clients.max_region_bytes_per_connection", OFF(max_region_bytes_per_connection), 0,
+         1ull << 50),
+    SIZE("clients.max_region_bytes_per_uid", OFF(max_region_bytes_per_uid), 0, 1ull << 50),
+    U32("clients.frame_stall_seconds", frame_stall_seconds, 1, 86400),
+    U32("clients.output_stall_seconds", output_stall_seconds, 1, 86400),
     {"transports.shm", K_BOOL, OFF(transport_shm), 0, 0, 0, NULL},
     {"transports.cuda_ipc", K_BOOL, OFF(transport_cuda_ipc), 0, 0, 0, NULL},
     {"layers", K_LAYERS, OFF(layers), OFF(nlayers), 0, 0, NULL},
@@ -733,11 +741,26 @@ static int check(kd_config *c, cerr *e)
         return fail_at(e, mark_of(c, "clients.output_hard_limit"), "clients.output_hard_limit",
                        "%llu is below limits.max_frame_bytes + 4: one response could never be "
                        "sent", (unsigned long long)c->output_hard_limit);
-    if (c->max_inflight_bytes_total == 0) {   /* half of the machine's memory */
-        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-        c->max_inflight_bytes_total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2
-                                                            : KD_FALLBACK_MAX_INFLIGHT_BYTES_TOTAL;
-    }
+    /* 0 in the file: a share of the machine's memory (of the address space
+     * kdad may map, for regions) */
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    const uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page
+                                               : KD_FALLBACK_MEMORY_BYTES;
+    uint64_t mappable = ram;
+    struct rlimit as;
+    if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&
+        (uint64_t)as.rlim_cur < mappable)
+        mappable = (uint64_t)as.rlim_cur;
+    if (c->max_inflight_bytes_total == 0)
+        c->max_inflight_bytes_total = ram / 2;
+    if (c->max_output_bytes_per_uid == 0)
+        c->max_output_bytes_per_uid = ram / 8;
+    if (c->max_output_bytes_total == 0)
+        c->max_output_bytes_total = ram / 4;
+    if (c->max_region_bytes_per_connection == 0)
+        c->max_region_bytes_per_connection = mappable / 4;
+    if (c->max_region_bytes_per_uid == 0)
+        c->max_region_bytes_per_uid = mappable / 2;
     /* the quotas on unanswered bytes must admit one frame of the largest size */
     const struct { const char *key; uint64_t value; } quotas[] = {
         {"clients.max_inflight_bytes_per_uid", c->max_inflight_bytes_per_uid},

@@ -95,6 +95,12 @@ typedef struct kd_config {
     uint64_t output_hard_limit;
     uint64_t output_soft_limit;
     uint32_t output_soft_seconds;
+    uint64_t max_output_bytes_per_uid;    /* unread responses of one uid; 0 in the file = RAM / 8 */
+    uint64_t max_output_bytes_total;      /* the same, all uids; 0 in the file = RAM / 4 */
+    uint64_t max_region_bytes_per_connection; /* mapped regions; 0 in the file = memory / 4 */
+    uint64_t max_region_bytes_per_uid;    /* the same, all of a uid's; 0 in the file = memory / 2 */
+    uint32_t frame_stall_seconds;         /* a frame begun and no byte of it since: closed */
+    uint32_t output_stall_seconds;        /* unread output and no byte of it taken since: closed */
     /* transports */
     bool transport_shm;
     bool transport_cuda_ipc;

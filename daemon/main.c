@@ -227,6 +227,10 @@ int main(int argc, char **argv)
     /* A peer that vanishes must cost an EPIPE, not the process. */
     signal(SIGPIPE, SIG_IGN);
 
+    /* libuv reads it when its thread pool starts (kd_daemon_init starts it) */
+    char threads[16];
+    snprintf(threads, sizeof(threads), "%d", KD_UV_THREADPOOL_SIZE);
+    setenv("UV_THREADPOOL_SIZE", threads, 0);
     uv_loop_t loop;
     uv_loop_init(&loop);
     static kd_daemon d; /* large, and referenced by every callback */

@@ -83,6 +83,13 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.output_hard_limit, KD_DEFAULT_OUTPUT_HARD_LIMIT);
     assert_int_equal(c.output_soft_limit, KD_DEFAULT_OUTPUT_SOFT_LIMIT);
     assert_int_equal(c.output_soft_seconds, KD_DEFAULT_OUTPUT_SOFT_SECONDS);
+    assert_true(c.max_output_bytes_per_uid == half_ram / 4);
+    assert_true(c.max_output_bytes_total == half_ram / 2);
+    assert_true(c.max_region_bytes_per_connection > 0 &&
+                c.max_region_bytes_per_connection <= half_ram / 2);
+    assert_true(c.max_region_bytes_per_uid == 2 * c.max_region_bytes_per_connection);
+    assert_int_equal(c.frame_stall_seconds, KD_DEFAULT_FRAME_STALL_SECONDS);
+    assert_int_equal(c.output_stall_seconds, KD_DEFAULT_OUTPUT_STALL_SECONDS);
     assert_true(c.transport_shm && c.transport_cuda_ipc);
     assert_int_equal(c.nlayers, 0);
     assert_int_equal(c.log_level, KD_LOG_INFO);
@@ -102,7 +109,9 @@ static void test_builtin_default(void **unused)
         "max_queued_requests:", "spin_us:", "hold_while_busy:", "hold_fill_percent:",
         "hold_max_us:", "clients:", "max_connections:", "max_connections_per_uid:",
         "max_inflight_bytes_per_uid:", "max_inflight_bytes_total:", "output_hard_limit:",
-        "output_soft_limit:", "output_soft_seconds:", "transports:", "shm:", "cuda_ipc:",
+        "output_soft_limit:", "output_soft_seconds:", "max_output_bytes_per_uid:",
+        "max_output_bytes_total:", "max_region_bytes_per_connection:", "max_region_bytes_per_uid:",
+        "frame_stall_seconds:", "output_stall_seconds:", "transports:", "shm:", "cuda_ipc:",
         "layers:", "lower_bound:", "scale:", "A_log:", "dt_bias:", "file:", "log:", "level:",
         "metrics:", "prometheus_file:", "interval_ms:", "drain_timeout_ms:"};
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
