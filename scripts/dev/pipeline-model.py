@@ -22,7 +22,7 @@ import os
 import random
 import re
 
-KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "cuda")
+KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels", "cuda")
 
 
 def kernel_constants():
