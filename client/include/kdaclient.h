@@ -130,6 +130,7 @@ KDAC_EXPORT const char *kdac_version_string(void);
     X(REGION_BOUNDS, -20, false, "reference reaches outside its region")                     \
     X(PERMISSION_DENIED, -21, false, "operation not permitted to this client")               \
     X(NOT_SUPPORTED, -22, false, "not supported by this daemon")                             \
+    X(READY_TIMEOUT, -23, false, "the ready word did not reach its value in time")           \
     X(POOL_FULL, -30, true, "no free slot in the pool")                                      \
     X(QUOTA_EXCEEDED, -31, false, "per-client quota exceeded")                               \
     X(BUSY, -32, true, "daemon overloaded; retry later")                                     \

@@ -142,7 +142,7 @@ static void prefill_answer(const pending *p, const kp_prefill_result *r, kdac_re
 static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res,
                           kp_error *err)
 {
-    kp_prefill_params req = {NULL, p->ctx.prefill.seqs, p->ctx.prefill.nseqs};
+    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs, .nseqs = p->ctx.prefill.nseqs};
     kp_prefill_result r;
     int rc = kp_prefill_result_decode(msg, &c->session, &req, &r, err);
     if (rc)
@@ -161,7 +161,7 @@ static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *
 static bool prefill_read(kdac_client *c, pending *p, const uint8_t *body, size_t len,
                          kdac_result *res)
 {
-    kp_prefill_params req = {NULL, p->ctx.prefill.seqs, p->ctx.prefill.nseqs};
+    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs, .nseqs = p->ctx.prefill.nseqs};
     kp_prefill_result r;
     if (!kp_prefill_result_read(body, len, c->rd.max_frame, &req, p->ctx.prefill.pos, &r))
         return false;
@@ -260,7 +260,7 @@ int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, u
         pending_free(c, p);
         return rc;
     }
-    kp_prefill_params params = {layer, p->ctx.prefill.seqs, nseqs};
+    kp_prefill_params params = {.layer = layer, .seqs = p->ctx.prefill.seqs, .nseqs = nseqs};
     kp_error e;
     return finish(c, p, kp_prefill_params_encode(p->w, p->id, &params, &e), &e, err);
 }

@@ -32,7 +32,7 @@
 
 /* A prefill request the results are read against: three sequences, outputs in regions. */
 static kp_prefill_seq result_seqs[3];
-static const kp_prefill_params result_req = {"L", result_seqs, 3};
+static const kp_prefill_params result_req = {.layer = "L", .seqs = result_seqs, .nseqs = 3};
 
 /* The session: 1 head, so that fuzzed inline tensors can have the right sizes. */
 static kp_session session;
