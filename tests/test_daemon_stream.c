@@ -8,7 +8,9 @@
  * another client's prefills; every failure path leaves the failure value in
  * the done word - written by kdad (admission error, run-time error, the
  * client's connection dropped) or by libkdaclient (kdad killed with
- * SIGKILL while a batch runs).
+ * SIGKILL while a batch runs).  Built against --backend cuda as well
+ * (test_daemon_stream_cuda: kdad's GPU writes the done words), which adds
+ * the stream form on a real CUDA stream of this process.
  */
 #define _GNU_SOURCE
 #include <setjmp.h>
@@ -29,6 +31,11 @@
 
 #include "daemon_harness.h"
 #include "kdaclient.h"
+
+#ifdef DH_BACKEND_IS_CUDA
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#endif
 
 #define READY_TIMEOUT_MS 1500
 static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n"
@@ -542,6 +549,110 @@ static void test_library_writes_failure_when_kdad_dies(void **state)
     dh_seq_free(&big);
 }
 
+#ifdef DH_BACKEND_IS_CUDA
+/* ---------------------------------------------------------------------- */
+/* The stream form on a CUDA stream                                       */
+/* ---------------------------------------------------------------------- */
+
+#define CUDA_OK(call)                                                              \
+    do {                                                                           \
+        cudaError_t e_ = (call);                                                   \
+        if (e_ != cudaSuccess)                                                     \
+            fail_msg("%s: %s", #call, cudaGetErrorString(e_));                     \
+    } while (0)
+
+typedef CUresult (*wait64_fn)(CUstream s, CUdeviceptr addr, cuuint64_t value, unsigned flags);
+
+/* The client's stream produces the inputs (a copy into the region), runs
+ * the prefill through kdad, and consumes the output (a copy out), all
+ * enqueued while a gate at the stream's head holds it: the host enqueues
+ * everything, and nothing runs, before the gate opens.  Then the output
+ * equals the host-synchronised call's.  A request that fails (unknown
+ * layer) releases the stream with the failure value. */
+static void test_stream_form_on_a_cuda_stream(void **state)
+{
+    fixture f;
+    setup(&f);
+    kdac_error err;
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    uint64_t dev;
+    assert_int_equal(kdac_shm_map_device(&f.shm, &dev, &err), KDAC_OK);
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult found;
+    CUDA_OK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault,
+                                             &found));
+    wait64_fn wait64 = (wait64_fn)fn;
+
+    dh_seq s;
+    dh_seq_make(&s, &f.rng, LEN);
+    uint64_t sync_slot = alloc(f.c), slot = alloc(f.c);
+    uint16_t *ref = malloc(DH_TOKEN_BYTES(LEN)), *got = calloc(1, DH_TOKEN_BYTES(LEN));
+    kdac_seq iq = inline_seq(sync_slot, &s, ref);
+    assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, NULL, &err), KDAC_OK);
+
+    layout l = layout_at(OFF_IN);
+    uint64_t in_bytes = l.out - OFF_IN;
+    uint8_t *staged = calloc(1, OFF_IN + in_bytes);
+    memcpy(staged + l.q, s.q, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.k, s.k, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.v, s.v, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.g, s.g, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.beta, s.beta, DH_BETA_BYTES(LEN));
+    void *src, *dst;
+    CUDA_OK(cudaMalloc(&src, in_bytes));
+    CUDA_OK(cudaMalloc(&dst, DH_TOKEN_BYTES(LEN)));
+    CUDA_OK(cudaMemcpy(src, staged + OFF_IN, in_bytes, cudaMemcpyHostToDevice));
+
+    /* gate (word 4) -> producer -> ready (word 0) / wait done (word 1) -> consumer */
+    assert_int_equal(wait64((CUstream)st, (CUdeviceptr)(dev + 32), 1, CU_STREAM_WAIT_VALUE_GEQ),
+                     CUDA_SUCCESS);
+    CUDA_OK(cudaMemcpyAsync((uint8_t *)f.shm.base + OFF_IN, src, in_bytes, cudaMemcpyDeviceToHost,
+                            st));
+    kdac_seq rq = region_seq(&f, slot, &l);
+    kdac_sem ready = {f.region, 0, 1, word(&f, 0), dev};
+    kdac_sem done = {f.region, 8, 1, word(&f, 1), dev + 8};
+    answer a = {0};
+    assert_int_equal(kdac_prefill_on_stream(f.c, st, "L", &rq, 1, &ready, &done, on_answer, &a,
+                                            &err), KDAC_OK);
+    CUDA_OK(cudaMemcpyAsync(dst, (uint8_t *)f.shm.base + l.out, DH_TOKEN_BYTES(LEN),
+                            cudaMemcpyHostToDevice, st));
+    CUDA_OK(cudaMemcpyAsync(got, dst, DH_TOKEN_BYTES(LEN), cudaMemcpyDeviceToHost, st));
+    assert_false(wait_answer(f.c, &a, 200));
+    assert_int_equal(cudaStreamQuery(st), cudaErrorNotReady);
+    assert_int_equal(*word(&f, 0), 0);
+    __atomic_store_n(word(&f, 4), 1, __ATOMIC_RELEASE); /* open the gate */
+    assert_true(wait_answer(f.c, &a, 10000));
+    CUDA_OK(cudaStreamSynchronize(st));
+    assert_int_equal(a.status, KDAC_OK);
+    assert_int_equal(kdac_sem_check(&done), 1);
+    assert_memory_equal(got, ref, DH_TOKEN_BYTES(LEN));
+
+    /* Failure: the stream goes on, the done word says so. */
+    kdac_sem done2 = {f.region, 16, 1, word(&f, 2), dev + 16};
+    ready.value = 2;
+    answer b = {0};
+    assert_int_equal(kdac_prefill_on_stream(f.c, st, "nope", &rq, 1, &ready, &done2, on_answer,
+                                            &b, &err), KDAC_OK);
+    assert_true(wait_answer(f.c, &b, 10000));
+    CUDA_OK(cudaStreamSynchronize(st));
+    assert_int_equal(b.status, KDAC_E_UNKNOWN_LAYER);
+    assert_int_equal(kdac_sem_check(&done2), -1);
+
+    CUDA_OK(cudaFree(src));
+    CUDA_OK(cudaFree(dst));
+    CUDA_OK(cudaStreamDestroy(st));
+    kdac_client_close(f.c);
+    f.c = NULL;
+    kdac_shm_unmap_device(&f.shm);
+    free(staged);
+    free(got);
+    free(ref);
+    dh_seq_free(&s);
+    teardown(&f);
+}
+#endif
+
 int main(void)
 {
     if (dh_backend_available(yaml) == 77)
@@ -553,6 +664,9 @@ int main(void)
                                   dh_teardown),
         cmocka_unit_test_teardown(test_daemon_writes_failure_values, dh_teardown),
         cmocka_unit_test_teardown(test_library_writes_failure_when_kdad_dies, dh_teardown),
+#ifdef DH_BACKEND_IS_CUDA
+        cmocka_unit_test_teardown(test_stream_form_on_a_cuda_stream, dh_teardown),
+#endif
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
