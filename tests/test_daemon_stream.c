@@ -424,6 +424,57 @@ static void test_unready_word_times_out_without_delaying_others(void **state)
     teardown(&f);
 }
 
+
+/* How long the daemon takes to notice a ready word: written while the loop
+ * still spins on the new wait (ready_spin_us), and written later, when it
+ * polls on its timer; against a request whose word was ready when sent.
+ * Each time runs from the store (or the send) to the done word, the
+ * prefill included; printed, and bounded loosely (the host is shared). */
+static void test_ready_notice_latency(void **state)
+{
+    enum { N = 15 };
+    fixture f;
+    setup(&f);
+    dh_seq s;
+    dh_seq_make(&s, &f.rng, LEN);
+    uint64_t slot = alloc(f.c);
+    layout l = layout_at(OFF_IN);
+    write_inputs(&f, &l, &s);
+    kdac_seq rq = region_seq(&f, slot, &l);
+    kdac_error err;
+    uint64_t t[3][N];
+    for (int mode = 0; mode < 3; mode++) {
+        for (int i = 0; i < N; i++) {
+            uint64_t v = 1 + (uint64_t)(mode * N + i);
+            kdac_sem ready = sem(&f, 0, v, true), done = sem(&f, 1, v, true);
+            if (mode == 0)
+                __atomic_store_n(word(&f, 0), v, __ATOMIC_RELEASE);
+            answer a = {0};
+            uint64_t t0 = now_ns();
+            assert_int_equal(kdac_prefill_send_sems(f.c, "L", &rq, 1, &ready, &done, on_answer,
+                                                    &a, &err), KDAC_OK);
+            kdac_client_progress(f.c);
+            if (mode > 0) {
+                usleep(mode == 1 ? 200 : 20000); /* inside the 2 ms spin / long after it */
+                t0 = now_ns();
+                __atomic_store_n(word(&f, 0), v, __ATOMIC_RELEASE);
+            }
+            while (kdac_sem_check(&done) == 0 && now_ns() - t0 < 5000000000ull)
+                usleep(20);
+            t[mode][i] = now_ns() - t0;
+            assert_int_equal(kdac_sem_check(&done), 1);
+            assert_true(wait_answer(f.c, &a, 10000));
+            assert_int_equal(a.status, KDAC_OK);
+        }
+    }
+    double m0 = median_ms(t[0], N), m1 = median_ms(t[1], N), m2 = median_ms(t[2], N);
+    print_message("to the done word: ready when sent %.3f ms; written during the spin %.3f ms; "
+                  "written 20 ms later (timer) %.3f ms (medians of %d)\n", m0, m1, m2, N);
+    assert_true(m2 < 100.0);
+    dh_seq_free(&s);
+    teardown(&f);
+}
+
 /* ---------------------------------------------------------------------- */
 /* Failure paths                                                          */
 /* ---------------------------------------------------------------------- */
@@ -662,6 +713,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sem_refusals, dh_teardown),
         cmocka_unit_test_teardown(test_unready_word_times_out_without_delaying_others,
                                   dh_teardown),
+        cmocka_unit_test_teardown(test_ready_notice_latency, dh_teardown),
         cmocka_unit_test_teardown(test_daemon_writes_failure_values, dh_teardown),
         cmocka_unit_test_teardown(test_library_writes_failure_when_kdad_dies, dh_teardown),
 #ifdef DH_BACKEND_IS_CUDA
