@@ -56,8 +56,9 @@ static void on_timer(uv_timer_t *t)
     kd_ready_poll(t->data);
 }
 
-/* Spin while a young wait is there; else a timer whose period grows with
- * the youngest wait's age, so a forgotten word costs ever fewer wake-ups. */
+/* Spin while words are being written (a wait began or was reached lately);
+ * else a timer whose period grows with the quiet time, so a forgotten word
+ * costs ever fewer wake-ups. */
 static void arm(kd_ready_set *s)
 {
     if (s->count == 0) {
@@ -67,7 +68,7 @@ static void arm(kd_ready_set *s)
         return;
     }
     uint64_t now = uv_hrtime();
-    uint64_t age = now - s->newest_ns;
+    uint64_t age = now - s->active_ns;
     uv_check_start(&s->check, on_check);
     if (age < (uint64_t)s->spin_us * 1000u) {
         uv_idle_start(&s->idle, on_idle);
@@ -106,6 +107,7 @@ static void report(kd_ready_set *s, kd_ready_wait *w, int verdict, uint64_t now)
     kp_error e;
     unlink_wait(w);
     if (verdict == REACHED) {
+        s->active_ns = now;
         s->reached(s->ctx, w);
         return;
     }
@@ -164,7 +166,7 @@ int kd_ready_begin(kd_ready_set *s, kd_ready_wait *w, bool *reached, kp_error *e
     if (s->tail && now <= s->tail->since_ns)
         now = s->tail->since_ns + 1;
     w->since_ns = now;
-    s->newest_ns = now;
+    s->active_ns = now;
     link_tail(s, w);
     arm(s);
     return KP_OK;

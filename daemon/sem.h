@@ -8,9 +8,11 @@
  * waits for it (a device-side wait would stall every batch queued behind it
  * on the batch stream).  Reading a host word is one load; the set checks
  * every word on each turn of the loop (a uv_check handle), keeps the loop
- * awake (a uv_idle handle) while a wait is younger than `spin_us`, and
- * otherwise wakes on a timer whose period grows with the age of the
- * youngest wait (1 ms, up to 16 ms).  A wait older than `timeout_ms` fails.
+ * awake (a uv_idle handle) for `spin_us` after a wait began or a word was
+ * reached (a stream that is moving writes its next word soon: a layer loop
+ * keeps the loop awake from layer to layer), and otherwise wakes on a timer
+ * whose period grows with that quiet time (1 ms, up to 16 ms).  A wait
+ * older than `timeout_ms` fails.
  *
  * Calls nothing above it: the owner (the engine) learns through callbacks.
  */
@@ -37,7 +39,7 @@ typedef struct kd_ready_wait {
 
 struct kd_ready_set {
     kd_backend *backend;     /* reads device words */
-    uint32_t spin_us;        /* keep the loop awake this long after a wait begins */
+    uint32_t spin_us;        /* keep the loop awake this long after a wait begins or ends */
     uint32_t timeout_ms;     /* then fail it after this long */
     /* reached: the word is at its value; timed_out: the wait is over without
      * it (err says why).  The wait has left the set when they are called. */
@@ -46,7 +48,7 @@ struct kd_ready_set {
     void *ctx;
     kd_ready_wait *head, *tail; /* oldest first */
     uint32_t count;
-    uint64_t newest_ns;      /* since_ns of the youngest wait */
+    uint64_t active_ns;      /* a wait last began or was reached (uv_hrtime) */
     uv_check_t check;
     uv_idle_t idle;
     uv_timer_t timer;
