@@ -5,7 +5,7 @@
 # to $OUT (as logs.tar.gz, beside the JSON results: the device tool brings back at most
 # 8 files); a short summary is printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests]
+#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests] [stream]
 #   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs; `ipc`
 #   is bench_ipc: the kernel on CUDA IPC memory against local memory, by allocation size and
 #   tensor placement.  `bench` and the full `e2e` did not fit one device call (600 s) together
@@ -14,7 +14,9 @@
 #   they were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
 #   and every .device/bin/bench_kernel_* (scripts/kernel-variant.sh) twice,
 #   interleaved, on the six standard workloads; `vtests` runs every variant's
-#   .device/bin/test_cuda_kernel_*.
+#   .device/bin/test_cuda_kernel_*.  `stream` runs the stream-ordered prefills' GPU suite
+#   (test_daemon_stream_cuda) and bench_layers (the 20-layer loop: in process, kdad synchronised,
+#   kdad stream-ordered; h200-layers.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kdad-gpu}
@@ -58,6 +60,12 @@ for step in $steps; do
                 timeout 200 "$t" >> "$out/vtests.log" 2>&1 || rc=1
               done
               (exit $rc) ;;
+    stream)   built=$(strings $bin/test_daemon_stream_cuda | grep -m1 -E '^/.*build[^/]*$')
+              mkdir -p "$built/daemon" && cp $bin/kdad "$built/daemon/"
+              timeout 300 $bin/test_daemon_stream_cuda > "$out/stream.log" 2>&1; rc=$?
+              timeout 280 $bin/bench_layers --kdad $bin/kdad --json "$out/h200-layers.json" \
+                > "$out/layers.log" 2>&1 || rc=1
+              (exit $rc) ;;
     ab)       rc=0
               for round in 1 2; do
                 for b in $bin/bench_kernel $bin/bench_kernel_*; do
@@ -87,6 +95,8 @@ for step in $steps; do
     e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
     ab)       grep -E '^== |^H(96|64) (fixed 8192|mixed|uniform 8x1024) ' "$out/ab.log" | cut -c1-62 ;;
     vtests)   grep -E '^== |^-- |FAILED|PASSED|clusters' "$out/vtests.log" | head -40 ;;
+    stream)   grep -E 'PASSED|FAILED|SKIP|median|done word|READY_TIMEOUT|tests? run' "$out/stream.log" | tail -12
+              tail -16 "$out/layers.log" ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done
