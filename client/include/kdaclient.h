@@ -536,7 +536,9 @@ typedef struct kdac_sem {
  * event loop or call kdac_client_progress), kdac_client_close - the library
  * stores done->value | KDAC_SEM_FAILED in the done word itself before the
  * callback runs (host: a release store; device only: through the CUDA
- * driver, loaded at run time), so nothing waits on it forever.
+ * driver, loaded at run time), so nothing waits on it forever.  Keep the
+ * words' memory mapped (and the semaphores' host addresses valid) until the
+ * request completes.
  * Errors: NOT_SUPPORTED (the daemon lacks the feature), INVALID_PARAMS, and
  * those of kdac_prefill_send.
  */
