@@ -8,7 +8,7 @@
  * looked up; their types are spelt out here as the driver API defines them.
  */
 #include <dlfcn.h>
-#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -40,7 +40,7 @@ typedef struct driver {
 } driver;
 
 static driver drv;
-static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+static int drv_state; /* 0: not loaded, 1: loading, 2: drv is final */
 
 /* The current name of an entry point first (the _v2 forms are what cuda.h
  * maps the plain names to), then the plain one. */
@@ -79,9 +79,21 @@ static void load_driver(void)
     drv.loaded = true;
 }
 
+/* Loads the driver once, whichever thread comes first; the others wait for it. */
 static bool have_driver(void)
 {
-    pthread_once(&drv_once, load_driver);
+    int st = __atomic_load_n(&drv_state, __ATOMIC_ACQUIRE);
+    if (st != 2) {
+        int expected = 0;
+        if (__atomic_compare_exchange_n(&drv_state, &expected, 1, false, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            load_driver();
+            __atomic_store_n(&drv_state, 2, __ATOMIC_RELEASE);
+        } else {
+            while (__atomic_load_n(&drv_state, __ATOMIC_ACQUIRE) != 2)
+                sched_yield();
+        }
+    }
     return drv.loaded;
 }
 
