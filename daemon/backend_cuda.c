@@ -150,7 +150,8 @@ typedef struct cuda_buf {
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr ptr);
 typedef CUresult (*write_value_fn)(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned flags);
-typedef CUresult (*write_value64_fn)(CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned flags);
+typedef CUresult (*write_value64_fn)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                     unsigned flags);
 
 /* The driver's VMM calls that open a client's exported allocation (posix_fd regions); all NULL
  * if the driver lacks one of them. */

@@ -142,7 +142,8 @@ static void prefill_answer(const pending *p, const kp_prefill_result *r, kdac_re
 static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res,
                           kp_error *err)
 {
-    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs, .nseqs = p->ctx.prefill.nseqs};
+    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs,
+                             .nseqs = p->ctx.prefill.nseqs};
     kp_prefill_result r;
     int rc = kp_prefill_result_decode(msg, &c->session, &req, &r, err);
     if (rc)
@@ -161,7 +162,8 @@ static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *
 static bool prefill_read(kdac_client *c, pending *p, const uint8_t *body, size_t len,
                          kdac_result *res)
 {
-    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs, .nseqs = p->ctx.prefill.nseqs};
+    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs,
+                             .nseqs = p->ctx.prefill.nseqs};
     kp_prefill_result r;
     if (!kp_prefill_result_read(body, len, c->rd.max_frame, &req, p->ctx.prefill.pos, &r))
         return false;
