@@ -9,6 +9,7 @@
  */
 #include "config.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <grp.h>
 #include <limits.h>
@@ -28,6 +29,7 @@
 
 typedef enum key_type {
     K_STR,      /* char * */
+    K_DEVICE,   /* char *: a CUDA ordinal in [min, max], or a GPU UUID or a prefix of one */
     K_U32,      /* uint32_t in [min, max] */
     K_SIZE,     /* uint64_t bytes in [min, max]; accepts KiB/MiB/GiB suffixes */
     K_BOOL,     /* bool */
@@ -68,7 +70,7 @@ static const key_spec schema[] = {
     {"access.allowed_gids", K_GID_LIST, OFF(allowed_gids), OFF(nallowed_gids), 0, UINT32_MAX - 1,
      NULL},
     {"backend", K_ENUM, OFF(backend), 0, 0, 0, backend_choices},
-    U32("device", device, 0, 1023),
+    {"device", K_DEVICE, OFF(device), 0, 0, 1023, NULL},
     {"cuda_completion", K_ENUM, OFF(cuda_completion), 0, 0, 0, completion_choices},
     U32("cpu_threads", cpu_threads, 0, 1024),
     U32("heads", heads, 1, KP_MAX_HEADS),
@@ -215,12 +217,39 @@ static int set_string(char **slot, const char *s)
     return 0;
 }
 
+/* A device: decimal digits up to max, or "GPU-" and 1..32 hex digits in the
+ * dashed groups of a UUID (as nvidia-smi -L prints them; any case). */
+static bool device_ok(const char *s, uint64_t max)
+{
+    uint64_t v;
+    if (s[0] >= '0' && s[0] <= '9')
+        return parse_uint(s, false, &v) == 0 && v <= max;
+    if (strncmp(s, "GPU-", 4) != 0)
+        return false;
+    size_t hex = 0, len = strlen(s + 4);
+    for (const char *p = s + 4; *p; p++) {
+        if (isxdigit((unsigned char)*p))
+            hex++;
+        else if (*p != '-' || p == s + 4)
+            return false;
+    }
+    return hex >= 1 && hex <= 32 && len <= 36;
+}
+
 /* Sets a scalar key from its text.  m and path label errors. */
 static int set_scalar(kd_config *c, const key_spec *k, const char *s, kd_conf_mark m, cerr *e)
 {
     uint64_t v;
     switch (k->type) {
     case K_STR:
+        if (set_string((char **)((char *)c + k->offset), s))
+            return fail_at(e, m, k->path, "out of memory");
+        return 0;
+    case K_DEVICE:
+        if (!device_ok(s, k->max))
+            return fail_at(e, m, k->path, "\"%s\" is neither a CUDA ordinal in [0, %llu] nor a "
+                           "GPU UUID (GPU-xxxxxxxx-xxxx-..., or a unique prefix of one)", s,
+                           (unsigned long long)k->max);
         if (set_string((char **)((char *)c + k->offset), s))
             return fail_at(e, m, k->path, "out of memory");
         return 0;
@@ -742,7 +771,7 @@ static int check(kd_config *c, cerr *e)
 void kd_config_free(kd_config *c)
 {
     for (size_t i = 0; i < NKEYS; i++) {
-        if (schema[i].type == K_STR)
+        if (schema[i].type == K_STR || schema[i].type == K_DEVICE)
             free(*(char **)((char *)c + schema[i].offset));
     }
     free(c->allowed_uids);

@@ -66,7 +66,8 @@ typedef struct kd_config {
     /* backend and pool */
     kd_backend_kind backend;
     kd_cuda_completion cuda_completion;
-    uint32_t device;          /* CUDA ordinal */
+    char *device;             /* "N" (CUDA ordinal) or "GPU-..." (a GPU UUID, or a unique
+                                 prefix of one); the cuda backend resolves it */
     uint32_t cpu_threads;     /* 0 = one per online CPU */
     uint32_t heads;           /* H, 1..KP_MAX_HEADS */
     uint32_t slots;           /* pool size, 1..KD_MAX_SLOTS */

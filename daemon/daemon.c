@@ -300,7 +300,7 @@ static void keep_restart_only(kd_config *nc, kd_config *old)
         {"socket.mode", nc->socket_mode != old->socket_mode},
         {"socket.group", str_differs(nc->socket_group, old->socket_group)},
         {"backend", nc->backend != old->backend},
-        {"device", nc->device != old->device},
+        {"device", str_differs(nc->device, old->device)},
         {"cuda_completion", nc->cuda_completion != old->cuda_completion},
         {"cpu_threads", nc->cpu_threads != old->cpu_threads},
         {"heads", nc->heads != old->heads},

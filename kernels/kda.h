@@ -69,6 +69,8 @@ typedef struct kda_layer {
 
 /* kda_seq.flags */
 #define KDA_SEQ_ZERO_STATE 0x1u   /* start from a zero state, ignoring the slot's contents */
+/* Every other bit is reserved: kda_batch_check rejects it (the CUDA backend's own descriptors use
+   some, kernels/cuda/params.h). */
 
 /*
  * One sequence of a batch.  All tensors share the pool's H; tokens are
@@ -133,6 +135,73 @@ int kda_seqs_from_packed(kda_seq *seqs, int64_t n, int32_t heads, const int64_t 
                          const uint16_t *k, const uint16_t *v, const uint16_t *g,
                          const uint16_t *beta, uint16_t *out, const kda_layer *layer,
                          kda_error *err);
+
+/*
+ * Decode steps: many sequences of a few tokens each (generation, speculative
+ * drafts), in the recurrent form (KDA.md, "Per token") with no chunk
+ * machinery.  Each sequence's state is read once and written once, so a step
+ * costs about the state's bytes at the copy rate.
+ *
+ * Tensors are packed: all sequences back to back along the token axis, as
+ * for kda_seqs_from_packed.  Sequence n owns tokens [start, start + len) of
+ * every tensor; starts are the running sum of the lengths (checked).
+ *
+ * Choosing between the two forms (kda_batch_is_step): a batch whose every
+ * sequence has 1..KDA_STEP_CHOICE_TOKENS tokens runs as a step; a batch with
+ * any longer sequence runs as a chunked prefill, whichever form its requests
+ * came in (both kernels take the other's inputs: kda_seqs_from_packed turns
+ * a step's packed tensors into prefill descriptors).  Measured on the H200
+ * (bench/RESULTS.md, H = 32, 256 sequences, fp32 pool): the step kernel takes
+ * 1.11x the state's bytes at 1 token, 1.24x at 4, 1.67x at 8 and 2.8x at 16,
+ * the chunked kernel ~1.65x at any length up to 16; at 8 tokens they are
+ * level (0.43 ms each), so the step wins below and the chunked form above.
+ */
+#define KDA_STEP_CHOICE_TOKENS 8
+#define KDA_STEP_MAX_TOKENS 16
+
+/* One sequence of a step (16 bytes; the CUDA backend reads it from device memory). */
+typedef struct kda_step_seq {
+    int64_t slot;      /* pool slot, in [0, pool->slots) and unique in the step */
+    int32_t start;     /* its first token in the packed tensors */
+    uint16_t len;      /* tokens, 1..KDA_STEP_MAX_TOKENS */
+    uint16_t flags;    /* KDA_SEQ_ZERO_STATE or 0 */
+} kda_step_seq;
+
+/*
+ * One step.  The state after the step's last token replaces the slot's
+ * (in place).  With `states` set, the state after every token is also
+ * written there, in the pool's dtype, so a speculative draft can be rolled
+ * back to any accepted prefix by copying one of them into the slot.
+ */
+typedef struct kda_step {
+    const uint16_t *q, *k, *v, *g;   /* bf16 [tokens][H][D] */
+    const uint16_t *beta;            /* bf16 [tokens][H] */
+    uint16_t *out;                   /* bf16 [tokens][H][D], written */
+    void *states;                    /* optional: pool dtype [tokens][H][D][D] (V-major), written */
+    const kda_layer *layer;
+    const kda_step_seq *seqs;        /* [nseqs] */
+    int32_t nseqs;                   /* >= 0 */
+    int32_t tokens;                  /* sum of the lengths */
+} kda_step;
+
+/*
+ * Fills seqs[0..n) from per-sequence lengths and slots (starts as running
+ * sums) and returns the total tokens in *tokens.  Rejects lengths outside
+ * 1..KDA_STEP_MAX_TOKENS.
+ */
+int kda_step_seqs_fill(kda_step_seq *seqs, int32_t n, const int64_t *slots, const int32_t *lens,
+                       int32_t *tokens, kda_error *err);
+
+/*
+ * Checks a step against a pool before anything is written: geometry, each
+ * sequence's length, start (back to back), slot range and uniqueness, flags,
+ * the tensors and layer non-NULL.  Reads step->seqs (host memory) but no
+ * tensor or layer.
+ */
+int kda_step_check(const kda_pool *pool, const kda_step *step, kda_error *err);
+
+/* 1 when a batch should run as a step: every sequence has 1..KDA_STEP_CHOICE_TOKENS tokens. */
+int kda_batch_is_step(const kda_seq *seqs, int64_t nseqs);
 
 /* Sets err (if any) and returns code; printf-style message. */
 int kda_fail(kda_error *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -29,6 +29,15 @@ int kda_cpu_threads(const kda_cpu *cpu);
 int kda_cpu_prefill(kda_cpu *cpu, const kda_pool *pool, const kda_seq *seqs, int64_t nseqs,
                     kda_error *err);
 
+/*
+ * Runs one decode step (kda.h, kda_step) and returns when it is done:
+ * kda_step_check and kda_layer_check before anything is written.  The state
+ * stays fp32 across the step's tokens and is rounded once at its end for a
+ * bf16 pool (each kept per-token state is rounded on its own).  Not
+ * reentrant, as kda_cpu_prefill.
+ */
+int kda_cpu_step(kda_cpu *cpu, const kda_pool *pool, const kda_step *step, kda_error *err);
+
 #ifdef __cplusplus
 }
 #endif

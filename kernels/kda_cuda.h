@@ -74,6 +74,46 @@ void kda_cuda_set_pairing(kda_cuda *cuda, kda_cuda_pairing pairing);
 /* The clusters of paired chains the device runs at once (AUTO pairs up to this many chains). */
 int kda_cuda_paired_clusters(const kda_cuda *cuda);
 
+/*
+ * Decode steps (kda.h, kda_step) on the GPU: one CTA per (sequence, head)
+ * holds its state in registers for the sequence's tokens, so each state byte
+ * is read once and written once (kernels/cuda/kda_decode_sm90.cu).
+ *
+ * kda_cuda_step_check: host-side check of a step whose descriptors are still
+ * in host memory: kda_step_check plus the kernel's rule that q, k, v, g, out
+ * and states are 16-byte aligned.
+ *
+ * kda_cuda_step: enqueues one step on `stream`.  step_dev is a kda_step in
+ * device memory whose seqs, tensors and layer are device memory too; it is
+ * read when the kernel runs, so a launch captured in a CUDA Graph replays
+ * with new steps of at most max_seqs sequences (step_dev->nseqs <= max_seqs).
+ * The step must already satisfy kda_cuda_step_check.  Allocates nothing,
+ * never synchronises the host, shares no state with kda_cuda_prefill (the
+ * two may be enqueued on different streams at once when their slots differ).
+ */
+int kda_cuda_step_check(const kda_pool *pool, const kda_step *step, kda_error *err);
+int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_step *step_dev, int32_t max_seqs,
+                  void *stream, kda_error *err);
+
+/*
+ * Long chains cut into segments that run at once (docs/kernel.md, "Splitting
+ * a chain").  AUTO (the default): when at least three segments per sequence
+ * fit the SMs (2 x max_seqs x heads x 3 <= SMs, e.g. H = 8 with one sequence),
+ * each sequence is cut into up to SMs / (2 x max_seqs x heads) segments (at
+ * most 16) of at least 2048 tokens, chosen on the device from its length
+ * (shorter sequences run whole); the launch is then four kernels instead of
+ * one (plan, pass 1, scan, pass 3).  The choice of the path depends
+ * only on max_seqs, heads and the GPU, so a captured graph stays valid for
+ * any batch of its bucket.  OFF never cuts; ALWAYS cuts whenever two segments
+ * fit, down to 64 tokens a segment (tests).
+ */
+typedef enum kda_cuda_split {
+    KDA_CUDA_SPLIT_AUTO = 0,
+    KDA_CUDA_SPLIT_OFF,
+    KDA_CUDA_SPLIT_ALWAYS,
+} kda_cuda_split;
+void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split);
+
 #ifdef __cplusplus
 }
 #endif

@@ -623,6 +623,27 @@ int dec_bin(const dec_fields *f, const char *name, uint64_t nbytes, const void *
     return rc;
 }
 
+int dec_bin_units(const dec_fields *f, const char *name, uint32_t unit, uint32_t max_units,
+                  const void **out, uint32_t *units, bool *present, kp_error *err)
+{
+    const msgpack_object *o;
+    int rc = lookup(f, name, present, &o, err);
+    if (rc <= 0)
+        return rc;
+    if (o->type != MSGPACK_OBJECT_BIN)
+        return wrong_type(f, name, "a bin", o, err);
+    uint32_t size = o->via.bin.size;
+    if (size == 0 || size % unit || size / unit > max_units) {
+        char path[DEC_PATH_MAX];
+        dec_path(f, name, path, sizeof(path));
+        return kp_fail(err, f->code, "%s: %u bytes, expected 1..%u entries of %u bytes", path, size,
+                       max_units, unit);
+    }
+    *out = o->via.bin.ptr;
+    *units = size / unit;
+    return KP_OK;
+}
+
 int dec_array(const dec_fields *f, const char *name, uint32_t max, bool allow_empty,
               const msgpack_object **arr, uint32_t *n, bool *present, kp_error *err)
 {

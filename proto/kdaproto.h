@@ -62,7 +62,7 @@ extern "C" {
 #define KP_TEXT_MAX 256              /* free-text strings (client, server, GPU name), bytes */
 #define KP_ERRMSG_MAX 512            /* error messages, bytes including the NUL */
 #define KP_CUDA_IPC_HANDLE_BYTES 64  /* sizeof(cudaIpcMemHandle_t) */
-#define KP_TENSOR_ALIGN 16           /* region offsets are multiples of this (TMA, vector loads) */
+#define KP_TENSOR_ALIGN 16           /* region offsets are multiples of this (16-byte vector loads) */
 #define KP_HIST_MAX_BUCKETS 64       /* latency histogram bounds in stats */
 #define KP_MAX_PENDING_FDS 4         /* received fds not yet claimed by a frame, per connection */
 
@@ -173,7 +173,8 @@ int kp_fail(kp_error *err, int code, const char *fmt, ...) __attribute__((format
     X(REGION_REGISTER_CUDA, "region.register_cuda")     \
     X(REGION_RELEASE, "region.release")                 \
     X(RING_ATTACH, "ring.attach")                       \
-    X(PREFILL, "prefill")
+    X(PREFILL, "prefill")                               \
+    X(STEP, "step")
 
 typedef enum kp_method {
     KP_METHOD_UNKNOWN = 0, /* a request whose method is not in the table */
@@ -493,6 +494,7 @@ typedef struct kp_gpu {
     const char *name;  /* e.g. "NVIDIA H200" */
     const char *uuid;  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
     uint32_t index;    /* CUDA device ordinal inside the daemon */
+    const char *pci_bus_id; /* PCI bus id, "0000:19:00.0"; NULL or "": not sent */
 } kp_gpu;
 
 typedef struct kp_hello_result {
@@ -1045,6 +1047,85 @@ typedef int (*kp_region_size_fn)(void *ctx, uint32_t region, uint64_t *size);
  * ("seqs[3].beta") in err: KP_E_REGION_INVALID or KP_E_REGION_BOUNDS. */
 int kp_prefill_check_regions(const kp_prefill_params *p, kp_region_size_fn region_size,
                              void *ctx, kp_error *err);
+
+/* ------------------------------------------------------------------------ */
+/* step (§step): decode steps, many short sequences packed into one request */
+/* ------------------------------------------------------------------------ */
+
+#define KP_FEATURE_STEP "step"    /* hello announces it when the daemon serves step */
+#define KP_STEP_MAX_TOKENS 16u    /* tokens per sequence of a step */
+
+/* The tensors of a step, in wire order. */
+typedef enum kp_step_tensor {
+    KP_STEP_Q = 0,
+    KP_STEP_K,
+    KP_STEP_V,
+    KP_STEP_G,
+    KP_STEP_BETA,
+    KP_STEP_OUT,
+    KP_STEP_STATES,
+    KP_STEP_TENSORS
+} kp_step_tensor;
+
+const char *kp_step_tensor_name(kp_step_tensor t); /* "q" ... "states" */
+
+/*
+ * A step's per-sequence lists are bins: `slots` and `expect_pos` hold u64
+ * little-endian [nseqs], `lens` u8 [nseqs].  Decoded, they point into the
+ * frame (unaligned: read them with kp_step_u64); to encode, point them at
+ * arrays of uint64_t / uint8_t (the host is little-endian, as the codec
+ * requires).
+ */
+typedef struct kp_step_params {
+    const char *layer;
+    uint32_t nseqs;          /* 1..max_seqs_per_request */
+    const void *slots;       /* u64 [nseqs]: slot handles, each once */
+    const uint8_t *lens;     /* [nseqs]: tokens, each 1..KP_STEP_MAX_TOKENS */
+    const void *expect_pos;  /* optional (NULL): u64 [nseqs], each slot's position when it runs */
+    uint32_t tokens;         /* sum of lens: set by the decoder (encoders compute it) */
+    union {
+        struct {
+            kp_ref q, k, v, g; /* bf16 [tokens][H][128]; INLINE or REGION */
+            kp_ref beta;       /* bf16 [tokens][H]; INLINE or REGION */
+            kp_ref out;        /* bf16 [tokens][H][128]; REGION, or ABSENT for inline output */
+            kp_ref states;     /* pool dtype [tokens][H][128][128]: the state after each token;
+                                  REGION or ABSENT */
+        };
+        kp_ref tensors[KP_STEP_TENSORS]; /* the same seven, indexed by kp_step_tensor */
+    };
+} kp_step_params;
+
+/* Entry i of a u64 list (slots, expect_pos, a result's pos). */
+static inline uint64_t kp_step_u64(const void *list, uint32_t i)
+{
+    uint64_t v;
+    __builtin_memcpy(&v, (const uint8_t *)list + (size_t)i * 8, 8);
+    return v;
+}
+
+typedef struct kp_step_result {
+    uint32_t nseqs;
+    const void *pos;    /* u64 [nseqs]: each slot's position after the step */
+    kp_ref out;         /* INLINE bf16 [tokens][H][128] when the request had no out */
+    uint64_t queue_us;  /* as kp_prefill_result */
+    uint64_t run_us;
+    bool timed;
+    uint64_t device_us;
+    uint64_t kernel_us; /* of which the step kernel alone (0: not measured) */
+} kp_step_result;
+
+int kp_step_params_encode(kp_writer *w, uint32_t id, const kp_step_params *p, kp_error *err);
+/* Checks everything the frame and session can tell (§step "Checked on
+ * arrival"); sets p->tokens.  Cost: a constant number of msgpack objects
+ * whatever nseqs, then one pass over lens and a sort of the handles. */
+int kp_step_params_decode(kp_msg *msg, const kp_session *s, kp_step_params *p, kp_error *err);
+int kp_step_result_encode(kp_writer *w, uint32_t id, const kp_step_result *r, kp_error *err);
+/* req is the request this answers (nseqs, tokens, whether out was named). */
+int kp_step_result_decode(kp_msg *msg, const kp_session *s, const kp_step_params *req,
+                          kp_step_result *r, kp_error *err);
+/* Bounds-checks every region reference of a decoded step, naming the field. */
+int kp_step_check_regions(const kp_step_params *p, kp_region_size_fn region_size, void *ctx,
+                          kp_error *err);
 
 #ifdef __cplusplus
 }

@@ -5,8 +5,9 @@
 # to $OUT (as logs.tar.gz, beside the JSON results: the device tool brings back at most
 # 8 files); a short summary is printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests] [stream]
-#   (default: all but ab and vtests).  `launch` is bench_launch: what starting a batch costs; `ipc`
+#   scripts/gpu-check.sh [layout] [kernel] [decode] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests] [multi] [stream]
+#   (default: all but ab, vtests, multi and stream).  `decode` is the step kernel's tests and memcheck.  `multi` is one kdad per GPU: test_shard_cuda and
+#   scripts/multi-gpu-check.sh (two GPUs on nvidia-h200-x2; on one GPU both daemons share it).  `launch` is bench_launch: what starting a batch costs; `ipc`
 #   is bench_ipc: the kernel on CUDA IPC memory against local memory, by allocation size and
 #   tensor placement.  `bench` and the full `e2e` did not fit one device call (600 s) together
 #   while kdactl bench drew all its inputs (~7 s per e2e row; a 4 MiB draw since the tenth
@@ -25,7 +26,7 @@ for f in .device/debs/*.deb; do dpkg -x "$f" /tmp/debs; done
 export LD_LIBRARY_PATH=$PWD/.device/bin:/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KDAD_GOLDEN_DIR=$PWD/.device/golden
 export KDA_TEST_SEED=${KDA_TEST_SEED:-$(date +%s)}
-steps=${*:-layout kernel sanitize bench launch ipc profile daemon e2e}
+steps=${*:-layout kernel decode sanitize bench launch ipc profile daemon e2e}
 bin=.device/bin
 declare -A status
 
@@ -34,6 +35,9 @@ for step in $steps; do
   case $step in
     layout)   timeout 60 $bin/test_wgmma_layout > "$out/layout.log" 2>&1 ;;
     kernel)   timeout 300 $bin/test_cuda_kernel > "$out/kernel.log" 2>&1 ;;
+    decode)   timeout 200 $bin/test_cuda_decode > "$out/decode.log" 2>&1; rc=$?
+              KDA_GPU_TEST_QUICK=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 \
+                $bin/test_cuda_decode > "$out/decode-memcheck.log" 2>&1; (exit $((rc | $?))) ;;
     sanitize) KDA_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
                 $bin/test_cuda_kernel > "$out/memcheck.log" 2>&1; rc=$?
               KDA_GPU_TEST_QUICK=1 timeout 240 compute-sanitizer --tool racecheck --error-exitcode 9 \
@@ -53,6 +57,12 @@ for step in $steps; do
               done
               (exit $rc) ;;
     e2e)      OUT=$out timeout 560 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
+    multi)    # one kdad per GPU: the sharded client on cuda, then one daemon against two
+              built=$(strings $bin/test_shard_cuda | grep -m1 -E '^/.*build[^/]*$')
+              mkdir -p "$built/daemon" "$built/client" && cp $bin/kdad "$built/daemon/" && cp $bin/kdactl "$built/client/"
+              KDAD_SOURCE_DIR=$PWD timeout 300 $bin/test_shard_cuda > "$out/multi.log" 2>&1; rc=$?
+              OUT=$out timeout 280 bash scripts/multi-gpu-check.sh $bin >> "$out/multi.log" 2>&1
+              (exit $((rc | $?))) ;;
     vtests)   rc=0
               for t in $bin/test_cuda_kernel_*; do
                 [ -x "$t" ] || continue
@@ -85,8 +95,10 @@ for step in $steps; do
   case $step in
     layout)   cat "$out/layout.log" ;;
     kernel)   grep -E '^\s+\S.*(out|state)|FAILED|PASSED|SKIP|error' "$out/kernel.log" | tail -40 ;;
+    decode)   grep -E '^\s+\S.*(out|state)|FAILED|PASSED|SKIP|error' "$out/decode.log" | tail -30
+              grep -h 'ERROR SUMMARY' "$out/decode-memcheck.log" ;;
     sanitize) grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|Error|hazard' "$out/memcheck.log" "$out/racecheck.log" 2>/dev/null | sort | uniq -c | head ;;
-    bench)    tail -16 "$out/bench.log"
+    bench)    tail -36 "$out/bench.log"
               grep -m3 -E 'Performance State|^\s+SM\s+:' "$out/clocks.log" | sed 's/^ */under load: /' ;;
     launch)   cat "$out/launch.log" ;;
     ipc)      cat "$out/ipc.log" ;;
@@ -95,6 +107,7 @@ for step in $steps; do
     e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
     ab)       grep -E '^== |^H(96|64) (fixed 8192|mixed|uniform 8x1024) ' "$out/ab.log" | cut -c1-62 ;;
     vtests)   grep -E '^== |^-- |FAILED|PASSED|clusters' "$out/vtests.log" | head -40 ;;
+    multi)    grep -E 'GPU\(s\)|PASSED|FAILED|ERROR|^aggregate' "$out/multi.log" | tail -12 ;;
     stream)   grep -E 'PASSED|FAILED|SKIP|median|done word|READY_TIMEOUT|tests? run' "$out/stream.log" | tail -12
               tail -16 "$out/layers.log" ;;
   esac

@@ -282,6 +282,92 @@ static void test_prefill_call(void **state)
 }
 
 /* ---------------------------------------------------------------------- */
+/* Step                                                                   */
+/* ---------------------------------------------------------------------- */
+
+#define STEP_T 6 /* lens 1, 1, 4 */
+
+static void script_step(fake_conn *fc, void *arg)
+{
+    fake_hello(fc);
+    kp_step_params p;
+    /* 1: inline inputs, expect_pos, inline output, states kept in region 2 */
+    uint32_t id = fake_expect(fc, KP_METHOD_STEP);
+    if (!id || !PARAMS(fc, kp_step_params_decode(&fc->msg, &fc->session, &p, PE)))
+        return;
+    fake_check(fc, strcmp(p.layer, "L3") == 0 && p.nseqs == 3 && p.tokens == STEP_T, "layer, counts");
+    bool lists = true;
+    for (uint32_t i = 0; i < 3; i++)
+        lists &= kp_step_u64(p.slots, i) == handles[i] && p.lens[i] == (i == 2 ? 4 : 1) &&
+                 p.expect_pos && kp_step_u64(p.expect_pos, i) == 100 + i;
+    fake_check(fc, lists, "slots, lens, expect_pos");
+    fake_check(fc, is_bytes(p.q.data, TOKB(STEP_T), 1) && is_bytes(p.k.data, TOKB(STEP_T), 2) &&
+                       is_bytes(p.v.data, TOKB(STEP_T), 3) && is_bytes(p.g.data, TOKB(STEP_T), 4) &&
+                       is_bytes(p.beta.data, STEP_T * H * 2, 5), "inline tensors");
+    fake_check(fc, p.out.kind == KP_REF_ABSENT && p.states.kind == KP_REF_REGION && p.states.region == 2 &&
+                       p.states.offset == 0 && p.states.nbytes == STEP_T * STATE_F32, "out inline, states kept");
+    uint8_t *out = bytes(TOKB(STEP_T), 9);
+    const uint64_t pos[3] = {101, 102, 106};
+    kp_step_result r = {.nseqs = 3, .pos = pos, .out = kp_ref_inline(out, TOKB(STEP_T)), .queue_us = 4,
+                        .run_us = 40, .timed = true, .device_us = 30, .kernel_us = 21};
+    ANSWER(fc, kp_step_result_encode(&fc->w, id, &r, E));
+    free(out);
+    /* 2: by regions, no expect_pos, output into region 1 */
+    id = fake_expect(fc, KP_METHOD_STEP);
+    if (!id || !PARAMS(fc, kp_step_params_decode(&fc->msg, &fc->session, &p, PE)))
+        return;
+    fake_check(fc, p.nseqs == 1 && p.tokens == 1 && !p.expect_pos && p.q.kind == KP_REF_REGION &&
+                       p.beta.offset == 4 * TOKB(1) && p.out.kind == KP_REF_REGION &&
+                       p.out.offset == 5 * TOKB(1) && p.states.kind == KP_REF_ABSENT, "regions");
+    const uint64_t pos1 = 7;
+    kp_step_result r2 = {.nseqs = 1, .pos = &pos1, .queue_us = 1, .run_us = 2};
+    ANSWER(fc, kp_step_result_encode(&fc->w, id, &r2, E));
+    fake_wait_eof(fc);
+}
+
+static void test_step_call(void **state)
+{
+    fake_server *s = fake_start(script_step, NULL);
+    kdac_client *c = open_fake(s);
+    void *in[5] = {bytes(TOKB(STEP_T), 1), bytes(TOKB(STEP_T), 2), bytes(TOKB(STEP_T), 3),
+                   bytes(TOKB(STEP_T), 4), bytes(STEP_T * H * 2, 5)};
+    void *out = calloc(1, TOKB(STEP_T));
+    uint64_t slots[3] = {handles[0], handles[1], handles[2]}, expect[3] = {100, 101, 102};
+    uint8_t lens[3] = {1, 1, 4};
+    kdac_step_request st = {.nseqs = 3, .slots = slots, .lens = lens, .expect_pos = expect,
+                    .q = kdac_tensor_inline(in[0]), .k = kdac_tensor_inline(in[1]),
+                    .v = kdac_tensor_inline(in[2]), .g = kdac_tensor_inline(in[3]),
+                    .beta = kdac_tensor_inline(in[4]), .out = kdac_output_inline(out),
+                    .states = kdac_output_region(2, 0)};
+    kdac_step_result res;
+    kdac_error err;
+    assert_int_equal(kdac_step(c, "L3", &st, &res, &err), KDAC_OK);
+    assert_int_equal(res.nseqs, 3);
+    assert_int_equal(res.pos[0], 101);
+    assert_int_equal(res.pos[1], 102);
+    assert_int_equal(res.pos[2], 106);
+    assert_int_equal(res.queue_us, 4);
+    assert_int_equal(res.run_us, 40);
+    assert_int_equal(res.device_us, 30);
+    assert_int_equal(res.kernel_us, 21);
+    assert_true(is_bytes(out, TOKB(STEP_T), 9));
+
+    uint8_t one = 1;
+    kdac_step_request st2 = {.nseqs = 1, .slots = slots, .lens = &one, .q = kdac_tensor_region(1, 0),
+                     .k = kdac_tensor_region(1, TOKB(1)), .v = kdac_tensor_region(1, 2 * TOKB(1)),
+                     .g = kdac_tensor_region(1, 3 * TOKB(1)), .beta = kdac_tensor_region(1, 4 * TOKB(1)),
+                     .out = kdac_output_region(1, 5 * TOKB(1))};
+    assert_int_equal(kdac_step(c, "L3", &st2, &res, &err), KDAC_OK);
+    assert_int_equal(res.nseqs, 1);
+    assert_int_equal(res.pos[0], 7);
+    kdac_client_close(c);
+    assert_int_equal(fake_stop(s), 0);
+    for (int i = 0; i < 5; i++)
+        free(in[i]);
+    free(out);
+}
+
+/* ---------------------------------------------------------------------- */
 /* Health, stats, layers                                                  */
 /* ---------------------------------------------------------------------- */
 
@@ -586,7 +672,7 @@ static void test_refused_calls(void **state)
     struct {
         int rc;
         const char *part;
-    } cases[16];
+    } cases[24];
     int n = 0;
 #define CASE(call, part_)                                  \
     do {                                                   \
@@ -611,6 +697,19 @@ static void test_refused_calls(void **state)
     q.v = q.q;
     q.len = 70000;
     CASE(kdac_prefill_send(c, "L", &q, 1, count_cb, NULL, &err), "max_batch_tokens");
+    uint64_t sl[2] = {1, 2};
+    uint8_t lens[2] = {1, 0};
+    kdac_step_request sr = {.nseqs = 2, .slots = sl, .lens = lens, .q = q.q, .k = q.q, .v = q.q, .g = q.q,
+                    .beta = q.q};
+    CASE(kdac_step_send(c, "L", &sr, count_cb, NULL, &err), "lens[1]: 0 is outside [1, 16]");
+    lens[1] = 17;
+    CASE(kdac_step_send(c, "L", &sr, count_cb, NULL, &err), "lens[1]: 17");
+    lens[1] = 2;
+    sr.states = kdac_output_inline(buf);
+    CASE(kdac_step_send(c, "L", &sr, count_cb, NULL, &err), "states: a region only");
+    sr.states = kdac_output_region(0, 0);
+    sr.nseqs = 0;
+    CASE(kdac_step_send(c, "L", &sr, count_cb, NULL, &err), "0 sequences");
     CASE(kdac_slot_alloc_send(c, 0, 0, count_cb, NULL, &err), "count: 0");
     CASE(kdac_slot_alloc_send(c, 1, 0x8, count_cb, NULL, &err), "unknown bits");
     CASE(kdac_slot_free_send(c, NULL, 0, count_cb, NULL, &err), "at least one");
@@ -639,6 +738,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_slot_calls),       cmocka_unit_test(test_prefill_call),
+        cmocka_unit_test(test_step_call),
         cmocka_unit_test(test_registry_calls),   cmocka_unit_test(test_region_calls),
         cmocka_unit_test(test_cuda_region_without_gpu), cmocka_unit_test(test_malformed_result),
         cmocka_unit_test(test_refused_calls),

@@ -298,9 +298,34 @@ static void test_overrides_and_files(void **unused)
     assert_int_equal(c.backend, KD_BACKEND_CPU);
     assert_int_equal(c.heads, 12);
     assert_int_equal(c.slots, 9);
-    assert_int_equal(c.device, 1);
+    assert_string_equal(c.device, "1");
     assert_int_equal(c.state_dtype, KP_DTYPE_BF16);
     assert_string_equal(c.socket_path, "/tmp/o.sock");
+    kd_config_free(&c);
+
+    /* device: an ordinal, a UUID or a prefix of one (the backend resolves it) */
+    static const char *const devices[] = {"0", "1023", "GPU-5a1c0e1e-0000-1111-2222-333344445555",
+                                          "GPU-5A1C", "GPU-5a1c0e1e-", "GPU-5"};
+    for (size_t i = 0; i < sizeof(devices) / sizeof(devices[0]); i++) {
+        kd_config_overrides d = {.device = devices[i]};
+        assert_int_equal(kd_config_load(&c, NULL, &d, err, sizeof(err)), 0);
+        assert_string_equal(c.device, devices[i]);
+        kd_config_free(&c);
+    }
+    static const char *const bad_devices[] = {"1024", "-1", "GPU-", "gpu-5a1c", "GPU--5a",
+                                              "GPU-xyz", "MIG-5a1c", "0x1", "1 ", "",
+                                              "GPU-5a1c0e1e-0000-1111-2222-3333444455556"};
+    for (size_t i = 0; i < sizeof(bad_devices) / sizeof(bad_devices[0]); i++) {
+        kd_config_overrides d = {.device = bad_devices[i]};
+        assert_int_equal(kd_config_load(&c, NULL, &d, err, sizeof(err)), -1);
+        char want[256];
+        snprintf(want, sizeof(want), "--device: \"%s\" is neither a CUDA ordinal in [0, 1023] "
+                 "nor a GPU UUID (GPU-xxxxxxxx-xxxx-..., or a unique prefix of one)",
+                 bad_devices[i]);
+        assert_string_equal(err, want);
+    }
+    assert_int_equal(load(&c, "device: GPU-0a1b2c3d\n"), 0);
+    assert_string_equal(c.device, "GPU-0a1b2c3d");
     kd_config_free(&c);
 
     kd_config_overrides bad = {.heads = "0"};

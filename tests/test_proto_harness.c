@@ -260,6 +260,7 @@ int decode_params(kp_msg *msg, const kp_session *s, kp_error *err)
         kp_region_release_params release;
         kp_ring_attach_params ring;
         kp_prefill_params prefill;
+        kp_step_params step;
     } u;
     switch (msg->method) {
     case KP_METHOD_HELLO: return kp_hello_params_decode(msg, s, &u.hello, err);
@@ -284,6 +285,7 @@ int decode_params(kp_msg *msg, const kp_session *s, kp_error *err)
         return kp_region_release_params_decode(msg, s, &u.release, err);
     case KP_METHOD_RING_ATTACH: return kp_ring_attach_params_decode(msg, s, &u.ring, err);
     case KP_METHOD_PREFILL: return kp_prefill_params_decode(msg, s, &u.prefill, err);
+    case KP_METHOD_STEP: return kp_step_params_decode(msg, s, &u.step, err);
     default: return kp_fail(err, KP_E_UNKNOWN_METHOD, "%s", msg->name);
     }
 }

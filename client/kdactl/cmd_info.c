@@ -67,6 +67,7 @@ static void hello_json(const kdac_client *c)
         json_object_object_add(gpu, "name", json_object_new_string(i->gpu_name));
         json_object_object_add(gpu, "uuid", json_object_new_string(i->gpu_uuid));
         json_object_object_add(gpu, "index", json_u64(i->gpu_index));
+        json_object_object_add(gpu, "pci_bus_id", json_object_new_string(i->gpu_pci_bus_id));
     }
     json_object_object_add(o, "gpu", gpu);
     json_object_object_add(o, "heads", json_u64(i->heads));
@@ -100,7 +101,8 @@ static void hello_text(const kdac_client *c)
     printf("  protocol    %u\n", i->version);
     printf("  backend     %s\n", i->backend);
     if (i->has_gpu)
-        printf("  gpu         %s (%s, index %u)\n", i->gpu_name, i->gpu_uuid, i->gpu_index);
+        printf("  gpu         %s (%s, index %u%s%s)\n", i->gpu_name, i->gpu_uuid, i->gpu_index,
+               i->gpu_pci_bus_id[0] ? ", PCI " : "", i->gpu_pci_bus_id);
     else
         printf("  gpu         none\n");
     printf("  geometry    %u heads x %d, %u slots, state %s\n", i->heads, KDAC_HEAD_DIM, i->slots,

@@ -15,11 +15,13 @@ static const char layer_help[] =
     "       kdactl layer drop NAME\n"
     "\n"
     "Layers hold a KDA layer's A_log [H] and dt_bias [H, 128] (f32) with its gate floor\n"
-    "(lower_bound, in [-5, 0)) and output scale; prefill requests name them.  They are\n"
-    "daemon-wide and stay until dropped.  register reads A_log and dt_bias from a\n"
-    "safetensors FILE (a golden-vector file works); lower_bound and scale default to\n"
-    "the file's metadata, else -5 and 1/sqrt(128).  Registering an identical layer\n"
-    "again is harmless; a different one under a taken name is refused.\n";
+    "(lower_bound, in [-5, 0)) and output scale; prefill requests name them.  A layer\n"
+    "belongs to your uid (other uids have their own names; the daemon's configured\n"
+    "layers are everyone's) and stays until dropped.  register reads A_log and dt_bias\n"
+    "from a safetensors FILE (a golden-vector file works); lower_bound and scale default\n"
+    "to the file's metadata, else -5 and 1/sqrt(128).  The daemon counts registrations:\n"
+    "registering an identical layer again takes one more, each drop gives one back, and\n"
+    "the name goes with the last; a different layer under a taken name is refused.\n";
 
 static int layer_list(ctl *g, kdac_client *c)
 {

@@ -105,6 +105,12 @@ int ctl_connect(const ctl *g, kdac_client **c)
     kdac_options o;
     kdac_options_init(&o);
     o.socket_path = g->socket;
+    char gpu_sock[KDAC_PATH_MAX];
+    if (!g->socket && g->gpu) {
+        if (kdac_socket_for_gpu(g->gpu, gpu_sock, sizeof(gpu_sock)) != KDAC_OK)
+            return ctl_usage("", "--gpu: '%s' is not a GPU ordinal or UUID", g->gpu);
+        o.socket_path = gpu_sock;
+    }
     o.timeout_ms = g->timeout_ms;
     char name[32];
     snprintf(name, sizeof(name), "kdactl/%s", kdac_version_string());

@@ -34,6 +34,7 @@ enum {
 /* Global options, before the command. */
 typedef struct ctl {
     const char *socket; /* --socket, else $KDAD_SOCKET, else the default */
+    const char *gpu;    /* --gpu: the socket of kdad@GPU (kdac_socket_for_gpu), unless --socket */
     bool json;          /* --json: one JSON document on stdout */
     int timeout_ms;     /* --timeout (seconds on the command line) */
     bool progress;      /* a progress bar is allowed (stderr is a terminal, not --json) */

@@ -32,7 +32,7 @@ static const command commands[] = {
 static void usage(FILE *f)
 {
     fprintf(f,
-            "Usage: kdactl [--socket PATH] [--json] [--timeout SEC] COMMAND [ARGS...]\n"
+            "Usage: kdactl [--socket PATH | --gpu N] [--json] [--timeout SEC] COMMAND [ARGS...]\n"
             "\n"
             "Drives kdad, the Kimi Delta Attention prefill daemon.\n"
             "\n"
@@ -44,6 +44,8 @@ static void usage(FILE *f)
             "Options:\n"
             "  -s, --socket PATH  the daemon's socket (default: $KDAD_SOCKET, else\n"
             "                     $XDG_RUNTIME_DIR/kdad.sock if it exists, else %s)\n"
+            "  -g, --gpu N        the kdad serving GPU N (an ordinal or a UUID: kdad@N.service):\n"
+            "                     kdad-N.sock in $XDG_RUNTIME_DIR if it exists, else in /run/kdad\n"
             "  -j, --json         print one JSON document instead of text\n"
             "  -t, --timeout SEC  give up on a daemon that does not answer (default: wait)\n"
             "  -h, --help         this help; 'kdactl COMMAND --help' for a command's\n"
@@ -66,16 +68,20 @@ int main(int argc, char **argv)
     static const struct option opts[] = {
         {"socket", required_argument, NULL, 's'}, {"json", no_argument, NULL, 'j'},
         {"timeout", required_argument, NULL, 't'}, {"help", no_argument, NULL, 'h'},
-        {"version", no_argument, NULL, 'V'},      {NULL, 0, NULL, 0},
+        {"version", no_argument, NULL, 'V'},      {"gpu", required_argument, NULL, 'g'},
+        {NULL, 0, NULL, 0},
     };
-    ctl g = {NULL, false, 0, false};
+    ctl g = {.socket = NULL};
     int o;
     double timeout;
     /* '+': stop at the command, whose own options follow it. */
-    while ((o = getopt_long(argc, argv, "+s:jt:hV", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "+s:g:jt:hV", opts, NULL)) != -1) {
         switch (o) {
         case 's':
             g.socket = optarg;
+            break;
+        case 'g':
+            g.gpu = optarg;
             break;
         case 'j':
             g.json = true;

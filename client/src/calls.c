@@ -350,6 +350,115 @@ int kdac_prefill(kdac_client *c, const char *layer, const kdac_seq *seqs, uint32
 }
 
 /* ---------------------------------------------------------------------- */
+/* step                                                                   */
+/* ---------------------------------------------------------------------- */
+
+static int step_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res, kp_error *err)
+{
+    kp_step_result r;
+    int rc = kp_step_result_decode(msg, &c->session, &p->ctx.step.req, &r, err);
+    if (rc)
+        return rc;
+    for (uint32_t i = 0; i < r.nseqs; i++)
+        p->ctx.step.pos[i] = kp_step_u64(r.pos, i);
+    if (r.out.kind == KP_REF_INLINE && p->ctx.step.out)
+        memcpy(p->ctx.step.out, r.out.data, r.out.nbytes);
+    res->u.step = (kdac_step_result){r.nseqs, p->ctx.step.pos, r.queue_us, r.run_us, r.device_us,
+                                     r.kernel_us};
+    return KP_OK;
+}
+
+int kdac_step_send(kdac_client *c, const char *layer, const kdac_step_request *step, kdac_cb cb,
+                   void *data, kdac_error *err)
+{
+    int rc = check_send(c, cb, err);
+    if (rc)
+        return rc;
+    if (!layer || !step || !step->slots || !step->lens)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "layer, step, slots or lens is NULL");
+    const kdac_limits *lim = &c->info.limits;
+    const uint32_t n = step->nseqs, heads = c->info.heads;
+    if (n == 0 || n > lim->max_seqs_per_request)
+        return kdac_fail(err, KDAC_E_INVALID_PARAMS, "slots: %u sequences, expected 1..%u "
+                         "(max_seqs_per_request)", n, lim->max_seqs_per_request);
+    uint64_t tokens = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (step->lens[i] < 1 || step->lens[i] > KDAC_STEP_MAX_TOKENS)
+            return kdac_fail(err, KDAC_E_INVALID_PARAMS, "lens[%u]: %u is outside [1, %d]", i,
+                             step->lens[i], KDAC_STEP_MAX_TOKENS);
+        tokens += step->lens[i];
+    }
+    if (tokens > lim->max_batch_tokens)
+        return kdac_fail(err, KDAC_E_LIMIT_EXCEEDED, "lens: %llu tokens in total exceed "
+                         "max_batch_tokens %u", (unsigned long long)tokens, lim->max_batch_tokens);
+    if (step->states.data)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "states: a region only (the daemon "
+                         "does not return states inline)");
+
+    kp_step_params q = {.layer = layer, .nseqs = n, .tokens = (uint32_t)tokens};
+    const kdac_tensor *in[5] = {&step->q, &step->k, &step->v, &step->g, &step->beta};
+    const uint64_t tok = kp_token_tensor_bytes(q.tokens, heads);
+    uint64_t inline_in = 0;
+    for (int t = KP_STEP_Q; t <= KP_STEP_BETA; t++) {
+        const uint64_t nbytes = t == KP_STEP_BETA ? kp_beta_bytes(q.tokens, heads) : tok;
+        if ((rc = input_ref(in[t], nbytes, TOP_FIELD, kp_step_tensor_name(t), &q.tensors[t], err)))
+            return rc;
+        if (q.tensors[t].kind == KP_REF_INLINE)
+            inline_in += nbytes;
+    }
+    if ((rc = output_ref(&step->out, tok, TOP_FIELD, "out", &q.out, err)) ||
+        (rc = output_ref(&step->states, q.tokens * kp_state_bytes(heads, c->session.geometry.state_dtype),
+                         TOP_FIELD, "states", &q.states, err)))
+        return rc;
+    if (inline_in > lim->max_inline_bytes)
+        return kdac_fail(err, KDAC_E_LIMIT_EXCEEDED, "%llu inline tensor bytes exceed "
+                         "max_inline_bytes %llu; use regions", (unsigned long long)inline_in,
+                         (unsigned long long)lim->max_inline_bytes);
+    if (q.out.kind == KP_REF_ABSENT && tok > lim->max_inline_bytes)
+        return kdac_fail(err, KDAC_E_LIMIT_EXCEEDED, "the inline output of %llu bytes would "
+                         "exceed max_inline_bytes %llu; name an out region",
+                         (unsigned long long)tok, (unsigned long long)lim->max_inline_bytes);
+
+    pending *p = start(c, KP_METHOD_STEP, cb, data, step_decode, err);
+    if (!p)
+        return err ? err->code : KDAC_E_NO_MEMORY;
+    const size_t list_bytes = (size_t)n * (step->expect_pos ? 17 : 9);
+    uint8_t *lists = malloc(list_bytes);
+    p->ctx.step.lists = lists;
+    p->ctx.step.pos = calloc(n, sizeof(uint64_t));
+    if (!lists || !p->ctx.step.pos) {
+        pending_free(c, p);
+        return kdac_fail(err, KDAC_E_NO_MEMORY, "cannot allocate the lists of %u sequences", n);
+    }
+    memcpy(lists, step->slots, (size_t)n * 8);
+    q.slots = lists;
+    if (step->expect_pos) {
+        memcpy(lists + (size_t)n * 8, step->expect_pos, (size_t)n * 8);
+        q.expect_pos = lists + (size_t)n * 8;
+    }
+    memcpy(lists + list_bytes - n, step->lens, n);
+    q.lens = lists + list_bytes - n;
+    p->ctx.step.out = q.out.kind == KP_REF_ABSENT ? step->out.data : NULL;
+    p->ctx.step.req = q;
+    kp_error e;
+    return finish(c, p, kp_step_params_encode(p->w, p->id, &q, &e), &e, err);
+}
+
+int kdac_step(kdac_client *c, const char *layer, const kdac_step_request *step, kdac_step_result *res,
+              kdac_error *err)
+{
+    sync_call s;
+    int rc;
+    if ((rc = sync_begin(c, &s, err)) ||
+        (rc = kdac_step_send(c, layer, step, sync_cb, &s, err)) ||
+        (rc = sync_wait(c, &s, err)))
+        return rc;
+    if (res)
+        *res = s.res.u.step;
+    return KDAC_OK;
+}
+
+/* ---------------------------------------------------------------------- */
 /* slot.alloc, slot.free, slot.reset                                      */
 /* ---------------------------------------------------------------------- */
 

@@ -7,6 +7,7 @@
  *   io.c       the send queue, the frame reader, dispatch, progress, waiting
  *   calls.c    one encoder + result decoder per method, blocking wrappers
  *   shm.c      memfd regions
+ *   shard.c    head-sharded clients (public API only)
  *   stream.c   stream-ordered prefills: semaphore words, the CUDA driver loaded at run time
  */
 #ifndef KDAC_CLIENT_INT_H
@@ -64,6 +65,12 @@ struct pending {
             uint64_t *pos;        /* result positions */
             uint32_t nseqs;
         } prefill;
+        struct {
+            void *lists;          /* slots, expect_pos, lens: the caller's, copied */
+            void *out;            /* inline output destination, NULL: discard */
+            uint64_t *pos;        /* result positions */
+            kp_step_params req;   /* the request as encoded (counts, out kind) */
+        } step;
         uint32_t alloc_count;
         struct {
             void *dst;            /* inline state destination, NULL with an out region */

@@ -75,6 +75,9 @@ void pending_free(kdac_client *c, pending *p)
         free(p->ctx.prefill.seqs);
         free(p->ctx.prefill.outs);
         free(p->ctx.prefill.pos);
+    } else if (p->method == KP_METHOD_STEP) {
+        free(p->ctx.step.lists);
+        free(p->ctx.step.pos);
     }
     free(p);
 }
@@ -700,6 +703,9 @@ void sync_cb(kdac_client *c, void *data, const kdac_result *res, int status)
     if (strcmp(res->method, "prefill") == 0) {
         arr = (const void **)&s->res.u.prefill.pos;
         bytes = res->u.prefill.nseqs * sizeof(uint64_t);
+    } else if (strcmp(res->method, "step") == 0) {
+        arr = (const void **)&s->res.u.step.pos;
+        bytes = res->u.step.nseqs * sizeof(uint64_t);
     } else if (strcmp(res->method, "slot.alloc") == 0) {
         arr = (const void **)&s->res.u.alloc.slots;
         bytes = res->u.alloc.nslots * sizeof(uint64_t);

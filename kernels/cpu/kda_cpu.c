@@ -1,6 +1,6 @@
 /*
  * kda_cpu.c - the CPU backend: a persistent thread pool over (sequence, head)
- * work items, each item one chain of chunk.c.
+ * work items, each item one chain of chunk.c (prefill) or of step.c (step).
  *
  * Items are handed out longest sequence first from one atomic counter, so a
  * batch of one long and many short sequences keeps every thread busy.  The
@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "chunk.h"
+#include "step.h"
 
 typedef struct cpu_item {
     int64_t seq;
@@ -33,9 +34,10 @@ struct kda_cpu {
     int running_helpers;
     int stopping;
 
-    /* the job in progress */
+    /* the job in progress: a prefill (seqs, items) or a step (item i = sequence i / H, head i % H) */
     const kda_pool *pool;
     const kda_seq *seqs;
+    const kda_step *step;
     cpu_item *items;
     int64_t nitems;
     size_t items_cap;
@@ -48,6 +50,11 @@ static void run_items(kda_cpu *cpu, cpu_scratch *ws)
         int64_t i = atomic_fetch_add_explicit(&cpu->next_item, 1, memory_order_relaxed);
         if (i >= cpu->nitems)
             return;
+        if (cpu->step) {
+            const int32_t heads = cpu->pool->heads;
+            cpu_step_run(ws, cpu->pool, cpu->step, (int32_t)(i / heads), (int32_t)(i % heads));
+            continue;
+        }
         const cpu_item *it = &cpu->items[i];
         cpu_chain_run(ws, cpu->pool, &cpu->seqs[it->seq], it->head);
     }
@@ -175,6 +182,30 @@ static int build_items(kda_cpu *cpu, const kda_pool *pool, const kda_seq *seqs, 
     return KDA_OK;
 }
 
+/* Runs cpu->nitems items of a prefill (seqs) or a step on every worker; returns when all are done. */
+static void run_job(kda_cpu *cpu, const kda_pool *pool, const kda_seq *seqs, const kda_step *step)
+{
+    pthread_mutex_lock(&cpu->mu);
+    cpu->pool = pool;
+    cpu->seqs = seqs;
+    cpu->step = step;
+    atomic_store(&cpu->next_item, 0);
+    cpu->running_helpers = cpu->nthreads - 1;
+    cpu->generation++;
+    pthread_cond_broadcast(&cpu->wake);
+    pthread_mutex_unlock(&cpu->mu);
+
+    run_items(cpu, &cpu->scratch[0]);
+
+    pthread_mutex_lock(&cpu->mu);
+    while (cpu->running_helpers > 0)
+        pthread_cond_wait(&cpu->done, &cpu->mu);
+    cpu->pool = NULL;
+    cpu->seqs = NULL;
+    cpu->step = NULL;
+    pthread_mutex_unlock(&cpu->mu);
+}
+
 int kda_cpu_prefill(kda_cpu *cpu, const kda_pool *pool, const kda_seq *seqs, int64_t nseqs,
                     kda_error *err)
 {
@@ -192,23 +223,20 @@ int kda_cpu_prefill(kda_cpu *cpu, const kda_pool *pool, const kda_seq *seqs, int
     for (int64_t i = 0; i < nseqs; i++)
         if (seqs[i].len == 0 && (seqs[i].flags & KDA_SEQ_ZERO_STATE))
             cpu_slot_zero(pool, seqs[i].slot);
+    run_job(cpu, pool, seqs, NULL);
+    return KDA_OK;
+}
 
-    pthread_mutex_lock(&cpu->mu);
-    cpu->pool = pool;
-    cpu->seqs = seqs;
-    atomic_store(&cpu->next_item, 0);
-    cpu->running_helpers = cpu->nthreads - 1;
-    cpu->generation++;
-    pthread_cond_broadcast(&cpu->wake);
-    pthread_mutex_unlock(&cpu->mu);
-
-    run_items(cpu, &cpu->scratch[0]);
-
-    pthread_mutex_lock(&cpu->mu);
-    while (cpu->running_helpers > 0)
-        pthread_cond_wait(&cpu->done, &cpu->mu);
-    cpu->pool = NULL;
-    cpu->seqs = NULL;
-    pthread_mutex_unlock(&cpu->mu);
+int kda_cpu_step(kda_cpu *cpu, const kda_pool *pool, const kda_step *step, kda_error *err)
+{
+    int rc = kda_step_check(pool, step, err);
+    if (rc != KDA_OK)
+        return rc;
+    if (step->nseqs == 0)
+        return KDA_OK;
+    if ((rc = kda_layer_check(step->layer, err)) != KDA_OK)
+        return rc;
+    cpu->nitems = (int64_t)step->nseqs * pool->heads;
+    run_job(cpu, pool, NULL, step);
     return KDA_OK;
 }

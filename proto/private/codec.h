@@ -88,6 +88,10 @@ int dec_ref(const dec_fields *f, const char *name, uint64_t nbytes, bool allow_i
 /* An array of u64 handles, 1..max entries, no value twice, copied into the zone. */
 int dec_handles(const dec_fields *f, const char *name, uint32_t max, kp_slot_list *out,
                 bool *present, kp_error *err);
+/* A bin of 1..max_units entries of `unit` bytes each (its length a multiple of unit),
+ * referenced in place: *out and *units. */
+int dec_bin_units(const dec_fields *f, const char *name, uint32_t unit, uint32_t max_units,
+                  const void **out, uint32_t *units, bool *present, kp_error *err);
 /* An array value: *arr and *n, with 1 <= n <= max unless allow_empty. */
 int dec_array(const dec_fields *f, const char *name, uint32_t max, bool allow_empty,
               const msgpack_object **arr, uint32_t *n, bool *present, kp_error *err);

@@ -33,6 +33,8 @@
 /* A prefill request the results are read against: three sequences, outputs in regions. */
 static kp_prefill_seq result_seqs[3];
 static const kp_prefill_params result_req = {.layer = "L", .seqs = result_seqs, .nseqs = 3};
+/* A step request the step results are read against: two sequences of one token, inline output. */
+static const kp_step_params step_req = {.layer = "L", .nseqs = 2, .tokens = 2};
 
 /* The session: 1 head, so that fuzzed inline tensors can have the right sizes. */
 static kp_session session;
@@ -69,6 +71,7 @@ static void decode_results(kp_msg *msg)
     kp_slot_info_result info;
     kp_region_register_result region;
     kp_prefill_result prefill;
+    kp_step_result step;
     if (msg->error) {
         kp_response_error_decode(msg, &remote, &e);
         return;
@@ -85,6 +88,7 @@ static void decode_results(kp_msg *msg)
     kp_slot_info_result_decode(msg, &info, &e);
     kp_region_register_result_decode(msg, &region, &e);
     kp_prefill_result_decode(msg, &session, &result_req, &prefill, &e);
+    kp_step_result_decode(msg, &session, &step_req, &step, &e);
 }
 
 /* Regions 1..4 of a connection (1 holds the seeds' references); others are not registered. */
@@ -99,6 +103,28 @@ static int region_size(void *ctx, uint32_t region, uint64_t *size)
     return KP_OK;
 }
 
+/* A reference the bounds check passed lies inside its region (overflow-safe). */
+static void check_inside(const kp_ref *r)
+{
+    uint64_t end;
+    if (r->kind == KP_REF_REGION &&
+        (r->region < 1 || r->region > 4 || __builtin_add_overflow(r->offset, r->nbytes, &end) ||
+         end > region_sizes[r->region]))
+        abort(); /* the bounds check let a reference out of its region */
+}
+
+/* A step the bounds check passes names only bytes inside its regions. */
+static void check_step_regions(kp_msg *msg)
+{
+    kp_step_params p;
+    kp_error e;
+    if (kp_step_params_decode(msg, &session, &p, &e) != KP_OK ||
+        kp_step_check_regions(&p, region_size, NULL, &e) != KP_OK)
+        return;
+    for (int t = 0; t < KP_STEP_TENSORS; t++)
+        check_inside(&p.tensors[t]);
+}
+
 /* A prefill the bounds check passes names only bytes inside its regions (overflow-safe). */
 static void check_prefill_regions(kp_msg *msg)
 {
@@ -107,17 +133,9 @@ static void check_prefill_regions(kp_msg *msg)
     if (kp_prefill_params_decode(msg, &session, &p, &e) != KP_OK ||
         kp_prefill_check_regions(&p, region_size, NULL, &e) != KP_OK)
         return;
-    for (uint32_t i = 0; i < p.nseqs; i++) {
-        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
-            const kp_ref *r = &p.seqs[i].tensors[t];
-            uint64_t end;
-            if (r->kind != KP_REF_REGION)
-                continue;
-            if (r->region < 1 || r->region > 4 || __builtin_add_overflow(r->offset, r->nbytes, &end) ||
-                end > region_sizes[r->region])
-                abort(); /* the bounds check let a reference out of its region */
-        }
-    }
+    for (uint32_t i = 0; i < p.nseqs; i++)
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++)
+            check_inside(&p.seqs[i].tensors[t]);
 }
 
 /* One frame body, as the daemon (requests) or libkdaclient (the rest) sees it. */
@@ -136,6 +154,8 @@ static void check_body(const uint8_t *body, size_t len)
         case KP_MSG_REQUEST:
             if (decode_params(&msg, &session, &e) == KP_OK && msg.method == KP_METHOD_PREFILL)
                 check_prefill_regions(&msg);
+            if (msg.method == KP_METHOD_STEP)
+                check_step_regions(&msg);
             break;
         case KP_MSG_RESPONSE: decode_results(&msg); break;
         case KP_MSG_NOTIFICATION: kp_goodbye_decode(&msg, &remote, &e); break;

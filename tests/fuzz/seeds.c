@@ -178,6 +178,18 @@ int main(int argc, char **argv)
     take(dir, &w, kp_prefill_params_encode(&w, id++, &at_edge, &e), &e);
     edge.q = kp_ref_region(4, UINT64_MAX - 255, edge.q.nbytes); /* aligned; the end wraps */
     take(dir, &w, kp_prefill_params_encode(&w, id++, &at_edge, &e), &e);
+    /* a step: two sequences of one token, q and k inline, the rest in region 1, the states
+     * kept at the end of region 1 */
+    const uint64_t step_slots[2] = {1, 2}, step_pos[2] = {4, 9};
+    const uint8_t step_lens[2] = {1, 1};
+    kp_step_params step = {.layer = "L", .nseqs = 2, .slots = step_slots, .lens = step_lens,
+                           .expect_pos = step_pos};
+    for (int t = 0; t < KP_STEP_TENSORS; t++)
+        step.tensors[t] = t == KP_STEP_BETA ? kp_ref_region(1, 65536, sizeof(beta))
+                          : t == KP_STEP_STATES ? kp_ref_region(1, 131072, 2 * HEADS * 128 * 128 * 4)
+                          : t <= KP_STEP_K ? kp_ref_inline(tok, sizeof(tok))
+                                           : kp_ref_region(1, 4096u * (uint64_t)t, sizeof(tok));
+    take(dir, &w, kp_step_params_encode(&w, id++, &step, &e), &e);
 
     /* answers */
     take(dir, &w, kp_empty_result_encode(&w, 1, &e), &e);
@@ -230,6 +242,10 @@ int main(int argc, char **argv)
     kp_prefill_seq_result outs[3] = {{2, {0}}, {6, {0}}, {2, {0}}};
     kp_prefill_result result = {outs, 3, 10, 20, true, 15, 12};
     take(dir, &w, kp_prefill_result_encode(&w, 17, &result, &e), &e);
+    const uint64_t stepped[2] = {5, 10};
+    kp_step_result step_result = {.nseqs = 2, .pos = stepped, .out = kp_ref_inline(tok, sizeof(tok)),
+                                  .queue_us = 1, .run_us = 9};
+    take(dir, &w, kp_step_result_encode(&w, 19, &step_result, &e), &e);
     kp_error busy;
     kp_fail(&busy, KP_E_BUSY, "the queue is full");
     take(dir, &w, kp_error_response_encode(&w, 18, &busy, &e), &e);
