@@ -1307,6 +1307,26 @@ static bool setup_done_words(cuda_backend *cb)
     return true;
 }
 
+/* Whether cuStreamWriteValue64 works here (64-bit stream memory operations are a device
+ * capability): one word written into mapped host memory and read back. */
+static bool probe_write_value64(cuda_backend *cb)
+{
+    uint64_t *host = NULL;
+    void *dev = NULL;
+    bool ok = cudaHostAlloc((void **)&host, sizeof(*host), cudaHostAllocMapped) == cudaSuccess &&
+              cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess;
+    if (ok) {
+        *host = 0;
+        ok = cb->write_value64((CUstream)cb->aux, (CUdeviceptr)(uintptr_t)dev, KP_SEM_FAILED | 7,
+                               0) == CUDA_SUCCESS &&
+             cudaStreamSynchronize(cb->aux) == cudaSuccess &&
+             __atomic_load_n(host, __ATOMIC_ACQUIRE) == (KP_SEM_FAILED | 7);
+    }
+    if (host)
+        cudaFreeHost(host);
+    return ok;
+}
+
 static void format_uuid(char *out, size_t size, const cudaUUID_t *u)
 {
     const unsigned char *b = (const unsigned char *)u->bytes;
@@ -1454,6 +1474,11 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
 
     cb->get_range = (get_range_fn)driver_call("cuMemGetAddressRange");
     cb->write_value64 = (write_value64_fn)driver_call("cuStreamWriteValue64");
+    if (cb->write_value64 && !probe_write_value64(cb)) {
+        KD_WARN("cuda backend: this device or driver cannot write 64-bit words from a stream; "
+                "stream-ordered prefills (semaphores) are off");
+        cb->write_value64 = NULL;
+    }
     find_vmm(&cb->vmm);
 
     b->info = (kd_backend_info){
