@@ -62,6 +62,25 @@ void kd_backend_complete(kd_backend *b, kd_batch *batch)
     b->done(b->done_ctx, batch);
 }
 
+int kd_backend_read_word(kd_backend *b, kd_buf word, uint64_t *value)
+{
+    if (word.host) {
+        *value = __atomic_load_n((const uint64_t *)word.host, __ATOMIC_ACQUIRE);
+        return KP_OK;
+    }
+    if (!b->ops->read_word)
+        return KP_E_NOT_SUPPORTED;
+    return b->ops->read_word(b, word, value);
+}
+
+void kd_backend_write_word(kd_backend *b, kd_buf word, uint64_t value)
+{
+    if (word.host)
+        __atomic_store_n((uint64_t *)word.host, value, __ATOMIC_RELEASE);
+    else if (b->ops->write_word)
+        b->ops->write_word(b, word, value);
+}
+
 uint64_t kd_backend_slot_bytes(const kd_backend *b)
 {
     return (uint64_t)kda_slot_elems(b->pool.heads) * kda_dtype_size(b->pool.dtype);

@@ -79,11 +79,21 @@ typedef enum kd_batch_status {
     KD_BATCH_FATAL,  /* the device is unusable: every state is suspect, kdad must exit */
 } kd_batch_status;
 
+/* A 64-bit semaphore word in a client's region and the value to store
+ * there (PROTOCOL.md §Stream-ordered requests). */
+typedef struct kd_sem_word {
+    kd_buf buf;     /* 8 bytes, 8-aligned: host, device, or both */
+    uint64_t value;
+} kd_sem_word;
+
 typedef struct kd_batch {
     kd_batch_seq *seqs;
     uint32_t nseqs;
     kd_slot_op *ops;  /* run in order (before or after the launch: they name other slots) */
     uint32_t nops;
+    kd_sem_word *dones; /* stored once every output and state of the batch is written, only
+                           when the batch succeeds (the daemon writes failures) */
+    uint32_t ndones;
     /* Set by the backend before the completion callback. */
     kd_batch_status status;
     int code;          /* kp_code for FAILED (KP_E_NO_MEMORY, KP_E_INTERNAL, ...) */
@@ -121,6 +131,11 @@ typedef struct kd_backend_ops {
     int (*open_cuda)(kd_backend *b, const kp_region_register_cuda_params *p, int fd, void **dev,
                      void **handle, kp_error *err);
     void (*close_cuda)(kd_backend *b, void *handle);
+    /* A semaphore word the host cannot reach (device memory): read it now,
+     * or store a value (after everything the device has queued so far for
+     * the batches, or at once).  NULL when every word is host memory. */
+    int (*read_word)(kd_backend *b, kd_buf word, uint64_t *value);
+    void (*write_word)(kd_backend *b, kd_buf word, uint64_t value);
     /* Frees everything; no batch may be in flight. */
     void (*destroy)(kd_backend *b);
 } kd_backend_ops;
@@ -141,6 +156,7 @@ typedef struct kd_backend_info {
     uint32_t wave_chains;       /* (sequence, head) chains the device runs at once (its SMs);
                                    0: no waves (hold.h gathers nothing) */
     uint32_t paired_chains;     /* up to this many chains run on two SMs each */
+    bool sems;                  /* it writes batches' done words (stream-ordered prefills) */
 } kd_backend_info;
 
 struct kd_backend {
@@ -190,6 +206,11 @@ void kd_backend_device_done(kd_backend *b, kd_batch *batch);
 /* Called by backends on the loop thread when a batch is done (implies
  * kd_backend_device_done, without the idle callback: the done callback follows). */
 void kd_backend_complete(kd_backend *b, kd_batch *batch);
+
+/* A semaphore word: host memory through atomics (acquire / release), device
+ * memory through the backend.  read: 0, or a kp_code. */
+int kd_backend_read_word(kd_backend *b, kd_buf word, uint64_t *value);
+void kd_backend_write_word(kd_backend *b, kd_buf word, uint64_t value);
 
 /* Bytes of one slot's state in the pool's dtype. */
 uint64_t kd_backend_slot_bytes(const kd_backend *b);

@@ -72,6 +72,9 @@ static void cpu_work(uv_work_t *w)
     if (batch->status == KD_BATCH_OK) {
         for (uint32_t i = 0; i < batch->nops; i++)
             run_op(&cb->base, &batch->ops[i]);
+        /* Release stores: a client that sees the value sees the outputs and states. */
+        for (uint32_t i = 0; i < batch->ndones; i++)
+            kd_backend_write_word(&cb->base, batch->dones[i].buf, batch->dones[i].value);
     }
     t->signaled_ns = uv_hrtime();
     t->device_ns = t->signaled_ns - t->launched_ns;
@@ -185,6 +188,8 @@ static const kd_backend_ops cpu_ops = {
     .unpin_host = NULL,
     .open_cuda = NULL,
     .close_cuda = NULL,
+    .read_word = NULL,
+    .write_word = NULL,
     .destroy = cpu_destroy,
 };
 
@@ -225,6 +230,7 @@ int kd_backend_cpu_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_back
         .stages_host = false,
         .max_stage_in = UINT64_MAX,
         .max_stage_out = UINT64_MAX,
+        .sems = true,
     };
     KD_INFO("backend cpu: %d threads, pool of %u slots x %u heads (%s, %llu MiB)",
             kda_cpu_threads(cb->cpu), cfg->slots, cfg->heads,

@@ -151,6 +151,8 @@ typedef struct cuda_buf {
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr ptr);
 typedef CUresult (*write_value_fn)(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned flags);
+typedef CUresult (*write_value64_fn)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                     unsigned flags);
 
 /* The driver's VMM calls that open a client's exported allocation (posix_fd regions); all NULL
  * if the driver lacks one of them. */
@@ -194,6 +196,8 @@ typedef struct cuda_backend {
     get_range_fn get_range;  /* NULL if the driver does not export it */
     write_value_fn write_value; /* cuStreamWriteValue32, for the done words; NULL if absent */
     uint32_t *done_words;    /* one per buffer, pinned and mapped */
+    write_value64_fn write_value64; /* cuStreamWriteValue64, for requests' done words; NULL: the
+                                       backend offers no semaphores */
     vmm_api vmm;
     /* The completion thread and what it shares with the loop (under mu). */
     kd_cuda_completion completion;
@@ -561,6 +565,18 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
             const xfer *x = &bf->shm_out.v[i];
             e = cudaMemcpyAsync(x->host, x->dev, x->bytes, cudaMemcpyDeviceToHost, cb->d2h);
         }
+    }
+    /* Requests' done words (PROTOCOL.md §Stream-ordered requests), after the
+     * last write of the batch on the stream that makes it: the copies out,
+     * else the kernels.  A captured graph cannot hold per-request words, so
+     * they follow its launch on the same stream. */
+    for (uint32_t i = 0; e == cudaSuccess && i < b->ndones; i++) {
+        *what = "writing a done word";
+        CUresult r = cb->write_value64((CUstream)(copy_out ? cb->d2h : cb->stream),
+                                       (CUdeviceptr)(uintptr_t)b->dones[i].buf.dev,
+                                       b->dones[i].value, 0);
+        if (r != CUDA_SUCCESS)
+            e = cudaErrorUnknown;
     }
     if (e == cudaSuccess && !graph_only) {
         *what = "recording the completion event";
@@ -1023,6 +1039,29 @@ static int cuda_open_cuda(kd_backend *b, const kp_region_register_cuda_params *p
     return KP_OK;
 }
 
+/* A device-only semaphore word: read through the side stream (which waits for nothing of the
+ * batches'), synchronously: a small copy, for a word that host memory cannot hold. */
+static int cuda_read_word(kd_backend *b, kd_buf word, uint64_t *value)
+{
+    cuda_backend *cb = (cuda_backend *)b;
+    if (!word.dev || cb->fatal)
+        return KP_E_DEVICE_FAILED;
+    cudaError_t e = cudaMemcpyAsync(value, word.dev, sizeof(*value), cudaMemcpyDeviceToHost,
+                                    cb->aux);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(cb->aux);
+    return e == cudaSuccess ? KP_OK : KP_E_DEVICE_FAILED;
+}
+
+/* A device-only word's failure (or no-work) value: a stream write on the side stream, not
+ * waited for (a failed device would hold the loop). */
+static void cuda_write_word(kd_backend *b, kd_buf word, uint64_t value)
+{
+    cuda_backend *cb = (cuda_backend *)b;
+    if (word.dev && cb->write_value64 && !cb->fatal)
+        cb->write_value64((CUstream)cb->aux, (CUdeviceptr)(uintptr_t)word.dev, value, 0);
+}
+
 static void cuda_close_cuda(kd_backend *b, void *handle)
 {
     cuda_backend *cb = (cuda_backend *)b;
@@ -1159,6 +1198,8 @@ static const kd_backend_ops cuda_ops = {
     .unpin_host = cuda_unpin_host,
     .open_cuda = cuda_open_cuda,
     .close_cuda = cuda_close_cuda,
+    .read_word = cuda_read_word,
+    .write_word = cuda_write_word,
     .destroy = cuda_destroy,
 };
 
@@ -1264,6 +1305,26 @@ static bool setup_done_words(cuda_backend *cb)
         cb->buf[i].done_dev = (CUdeviceptr)(uintptr_t)dev + i * DONE_STRIDE_WORDS * sizeof(uint32_t);
     }
     return true;
+}
+
+/* Whether cuStreamWriteValue64 works here (64-bit stream memory operations are a device
+ * capability): one word written into mapped host memory and read back. */
+static bool probe_write_value64(cuda_backend *cb)
+{
+    uint64_t *host = NULL;
+    void *dev = NULL;
+    bool ok = cudaHostAlloc((void **)&host, sizeof(*host), cudaHostAllocMapped) == cudaSuccess &&
+              cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess;
+    if (ok) {
+        *host = 0;
+        ok = cb->write_value64((CUstream)cb->aux, (CUdeviceptr)(uintptr_t)dev, KP_SEM_FAILED | 7,
+                               0) == CUDA_SUCCESS &&
+             cudaStreamSynchronize(cb->aux) == cudaSuccess &&
+             __atomic_load_n(host, __ATOMIC_ACQUIRE) == (KP_SEM_FAILED | 7);
+    }
+    if (host)
+        cudaFreeHost(host);
+    return ok;
 }
 
 static void format_uuid(char *out, size_t size, const cudaUUID_t *u)
@@ -1412,6 +1473,12 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     }
 
     cb->get_range = (get_range_fn)driver_call("cuMemGetAddressRange");
+    cb->write_value64 = (write_value64_fn)driver_call("cuStreamWriteValue64");
+    if (cb->write_value64 && !probe_write_value64(cb)) {
+        KD_WARN("cuda backend: this device or driver cannot write 64-bit words from a stream; "
+                "stream-ordered prefills (semaphores) are off");
+        cb->write_value64 = NULL;
+    }
     find_vmm(&cb->vmm);
 
     b->info = (kd_backend_info){
@@ -1426,6 +1493,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         .max_stage_out = cb->stage_bytes,
         .wave_chains = (uint32_t)kda_cuda_sm_count(cb->k),
         .paired_chains = (uint32_t)kda_cuda_paired_clusters(cb->k),
+        .sems = cb->write_value64 != NULL,
     };
     snprintf(b->info.gpu_name, sizeof(b->info.gpu_name), "%s", prop.name);
     format_uuid(b->info.gpu_uuid, sizeof(b->info.gpu_uuid), &prop.uuid);

@@ -351,6 +351,8 @@ static void finish(kd_req *r, kd_out *o)
 {
     kd_client *cl = r->client;
     kd_daemon *d = cl->d;
+    if (r->answering)
+        r->answering(r);
     if (r->prev)
         r->prev->next = r->next;
     else

@@ -51,6 +51,8 @@ struct kd_req {
     kd_exec *exec;         /* exec.c's state of an admitted request */
     kd_region *releasing;  /* region.release: the region whose memory we wait for */
     void (*release)(kd_req *r); /* lets go of what its method took, or NULL */
+    void (*answering)(kd_req *r); /* runs first when it is answered or dropped, before its
+                                     response goes out; or NULL */
 };
 
 struct kd_client {

@@ -87,6 +87,8 @@ typedef struct kd_config {
     uint32_t hold_max_us;       /* [reload] */
     uint32_t gather_us;         /* hold.h, gathering; 0: off [reload] */
     uint32_t gather_wave_percent; /* 1..100 [reload] */
+    uint32_t ready_spin_us;     /* sem.h: the loop spins this long on a new ready wait [reload] */
+    uint32_t ready_timeout_ms;  /* sem.h: a ready word below its value this long fails [reload] */
     /* clients [reload] */
     uint32_t max_connections;
     uint32_t max_connections_per_uid;     /* quota.h */

@@ -49,6 +49,8 @@
 #define KD_DEFAULT_HOLD_MAX_US 1000u             /* batching.hold_max_us: the longest a batch is held */
 #define KD_DEFAULT_GATHER_US 150u                /* batching.gather_us: the longest a batch is gathered */
 #define KD_DEFAULT_GATHER_WAVE_PERCENT 85u       /* batching.gather_wave_percent */
+#define KD_DEFAULT_READY_SPIN_US 5000u           /* batching.ready_spin_us */
+#define KD_DEFAULT_READY_TIMEOUT_MS 10000u       /* batching.ready_timeout_ms */
 #define KD_GATHER_RECENT_US 2000u                /* fixed: a connection answered this recently is awaited */
 
 /* I/O per wakeup: a busy connection yields the loop to the others after this much. */

@@ -75,9 +75,10 @@ static void do_hello(kd_req *r)
     res.geometry = c->session.geometry;
     res.transports = transports(d);
     res.slots_persist = d->cfg.slots_persist;
-    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS};
+    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS,
+                                           KP_FEATURE_PREFILL_SEMAPHORES};
     res.features = features;
-    res.nfeatures = sizeof(features) / sizeof(features[0]);
+    res.nfeatures = bi->sems ? 2 : 1; /* semaphores: when the backend writes done words */
     res.limits = c->session.limits;
     kd_out *o = kd_req_frame(r);
     if (o)

@@ -27,12 +27,13 @@ static void free_run(kd_run *run)
 {
     free(run->batch.seqs);
     free(run->batch.ops);
+    free(run->batch.dones);
     free(run->reqs);
     free(run);
 }
 
-/* A run sized for the jobs just formed: every sequence of every job, and at
- * most two operations per job (a lazy ZERO before a READ). */
+/* A run sized for the jobs just formed: every sequence of every job, at
+ * most two operations per job (a lazy ZERO before a READ), a done word per job. */
 static kd_run *new_run(kd_job **jobs, size_t n)
 {
     size_t seqs = 0;
@@ -43,8 +44,9 @@ static kd_run *new_run(kd_job **jobs, size_t n)
         return NULL;
     run->batch.seqs = calloc(seqs ? seqs : 1, sizeof(*run->batch.seqs));
     run->batch.ops = calloc(2 * n, sizeof(*run->batch.ops));
+    run->batch.dones = calloc(n, sizeof(*run->batch.dones));
     run->reqs = calloc(n, sizeof(*run->reqs));
-    if (!run->batch.seqs || !run->batch.ops || !run->reqs) {
+    if (!run->batch.seqs || !run->batch.ops || !run->batch.dones || !run->reqs) {
         free_run(run);
         return NULL;
     }
@@ -245,6 +247,29 @@ void kd_engine_pump(kd_engine *en)
     en->on_settled(en->ctx);
 }
 
+/* A queued job leaves the scheduler unrun, and its request is answered with e. */
+static void drop_queued(kd_engine *en, kd_req *r, const kp_error *e)
+{
+    kd_sched_cancel(&en->d->sched, &r->job);
+    kd_job_left(en->d, &r->job);
+    kd_req_fail(r, e);
+}
+
+static void on_ready_reached(void *ctx, kd_ready_wait *w)
+{
+    kd_engine *en = ctx;
+    kd_req *r = w->owner;
+    kd_sched_ungate(&en->d->sched, &r->job);
+    kd_engine_pump(en);
+}
+
+static void on_ready_timed_out(void *ctx, kd_ready_wait *w, const kp_error *e)
+{
+    kd_engine *en = ctx;
+    drop_queued(en, w->owner, e);
+    kd_engine_pump(en); /* its slots' FIFOs moved on */
+}
+
 void kd_engine_admit(kd_engine *en, kd_req *r)
 {
     kd_daemon *d = en->d;
@@ -259,6 +284,18 @@ void kd_engine_admit(kd_engine *en, kd_req *r)
         kd_req_fail(r, &e);
         return;
     }
+    kd_ready_wait *w = kd_exec_ready_wait(r);
+    if (w) {
+        bool reached;
+        kd_ready_configure(&en->ready, d->cfg.ready_spin_us, d->cfg.ready_timeout_ms);
+        if (kd_ready_begin(&en->ready, w, &reached, &e) != KP_OK) {
+            drop_queued(en, r, &e);
+            return;
+        }
+        if (!reached)
+            return; /* gated: nothing new can run */
+        kd_sched_ungate(&d->sched, &r->job);
+    }
     /* May run the request at once (and free r). */
     kd_engine_pump(en);
 }
@@ -272,9 +309,7 @@ void kd_engine_abandon_queued(kd_engine *en, const kp_error *err)
             rn = r->next;
             if (r->job.state != KD_JOB_QUEUED)
                 continue;
-            kd_sched_cancel(&d->sched, &r->job);
-            kd_job_left(d, &r->job);
-            kd_req_fail(r, err);
+            drop_queued(en, r, err);
         }
         cn = cl->next;
         kd_client_unref(cl);
@@ -334,12 +369,15 @@ void kd_engine_init(kd_engine *en, kd_daemon *d, void (*on_fatal)(void *ctx, con
     uv_timer_init(d->loop, &en->hold_timer);
     uv_check_init(d->loop, &en->hold_check);
     en->hold_timer.data = en->hold_check.data = en;
+    kd_ready_init(&en->ready, d->loop, d->backend, on_ready_reached, on_ready_timed_out, en);
+    kd_ready_configure(&en->ready, d->cfg.ready_spin_us, d->cfg.ready_timeout_ms);
 }
 
 void kd_engine_close(kd_engine *en)
 {
     uv_close((uv_handle_t *)&en->hold_timer, NULL);
     uv_close((uv_handle_t *)&en->hold_check, NULL);
+    kd_ready_close(&en->ready);
 }
 
 void kd_engine_destroy(kd_engine *en)

@@ -15,7 +15,9 @@
  * The engine pumps itself: after admitting work, when the backend reports a
  * batch done or the device idle, and at a held batch's deadline.  Others
  * call kd_engine_pump only when they changed what can run (a client's work
- * dropped, a reload's limits).  It tells its owner about a device failure
+ * dropped, a reload's limits).  A prefill with a ready word stays gated in
+ * the scheduler until the word reaches its value (sem.h): then it can run,
+ * or after batching.ready_timeout_ms it fails.  It tells its owner about a device failure
  * (on_fatal) and, after every pump, that its work may have run out
  * (on_settled: a drain may be over).
  */
@@ -30,6 +32,7 @@
 #include "backend.h"
 #include "client.h"
 #include "hold.h"
+#include "sem.h"
 
 typedef struct kd_run kd_run;
 
@@ -40,6 +43,7 @@ typedef struct kd_engine {
     void *ctx;
     kd_run *runs;              /* batches in flight */
     kd_hold hold;              /* the next batch, held while the device is busy or gathered */
+    kd_ready_set ready;        /* admitted prefills waiting for their ready words */
     uint64_t last_prefill_ns;  /* uv_hrtime() of the last prefill answered, any client */
     uv_timer_t hold_timer;     /* its deadline, for a sleeping loop */
     uv_check_t hold_check;     /* its deadline, on every turn of an awake loop */

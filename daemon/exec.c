@@ -24,6 +24,11 @@ struct kd_exec {
     uint32_t *slots;          /* pool indices the job names (the FIFO keys) */
     uint64_t bytes_in[KP_TRANSPORT_ID_COUNT];  /* tensor bytes, for the stats */
     uint64_t bytes_out[KP_TRANSPORT_ID_COUNT];
+    bool has_ready;           /* prefill: gated until its ready word is reached */
+    kd_ready_wait ready;
+    bool has_done;            /* prefill: a done word */
+    bool done_set;            /* the value is written, or its batch writes it */
+    kd_sem_word done;
     union {
         struct {
             kp_prefill_params p;
@@ -56,6 +61,7 @@ static kd_daemon *daemon_of(const kd_req *r)
 }
 
 static void exec_release(kd_req *r);
+static void exec_answering(kd_req *r);
 
 /* ---------------------------------------------------------------------- */
 /* Admission helpers                                                      */
@@ -96,17 +102,10 @@ static int transport_of(const kd_region *reg)
     return reg->kind == KD_REGION_CUDA ? KP_TRANSPORT_ID_CUDA_IPC : KP_TRANSPORT_ID_SHM;
 }
 
-/* Resolves a tensor reference to a buffer; region references are
- * bounds-checked and the region referenced by the request. */
-static int use_ref(kd_req *r, const kp_ref *ref, field_at f, bool output, kd_buf *out,
-                   kp_error *e)
+/* The region of a reference, bounds-checked and referenced by the request (once). */
+static int hold_region(kd_req *r, const kp_ref *ref, field_at f, kd_region **out, kp_error *e)
 {
     kd_exec *x = r->exec;
-    if (ref->kind == KP_REF_INLINE) {
-        *out = (kd_buf){(void *)ref->data, NULL};
-        x->bytes_in[KP_TRANSPORT_ID_INLINE] += ref->nbytes;
-        return KP_OK;
-    }
     kd_region *reg = kd_region_find(&r->client->regions, ref->region);
     if (!reg || kp_ref_check_bounds(ref, reg->size, NULL, NULL) != KP_OK) {
         char buf[KP_FIELD_NAME_MAX];
@@ -131,11 +130,43 @@ static int use_ref(kd_req *r, const kp_ref *ref, field_at f, bool output, kd_buf
         x->regions[x->nregions++] = reg;
         kd_region_ref(reg);
     }
+    *out = reg;
+    return KP_OK;
+}
+
+/* Resolves a tensor reference to a buffer; region references are
+ * bounds-checked and the region referenced by the request. */
+static int use_ref(kd_req *r, const kp_ref *ref, field_at f, bool output, kd_buf *out,
+                   kp_error *e)
+{
+    kd_exec *x = r->exec;
+    if (ref->kind == KP_REF_INLINE) {
+        *out = (kd_buf){(void *)ref->data, NULL};
+        x->bytes_in[KP_TRANSPORT_ID_INLINE] += ref->nbytes;
+        return KP_OK;
+    }
+    kd_region *reg;
+    int rc = hold_region(r, ref, f, &reg, e);
+    if (rc)
+        return rc;
     *out = kd_region_buf(reg, ref->offset);
     if (output)
         x->bytes_out[transport_of(reg)] += ref->nbytes;
     else
         x->bytes_in[transport_of(reg)] += ref->nbytes;
+    return KP_OK;
+}
+
+/* A semaphore word (8 bytes) of one of the client's regions, referenced by the request. */
+static int use_word(kd_req *r, const kp_sem *m, const char *name, kd_sem_word *out,
+                    kp_error *e)
+{
+    kd_region *reg;
+    kp_ref ref = kp_ref_region(m->region, m->offset, sizeof(uint64_t));
+    int rc = hold_region(r, &ref, FIELD(name), &reg, e);
+    if (rc)
+        return rc;
+    *out = (kd_sem_word){kd_region_buf(reg, m->offset), m->value};
     return KP_OK;
 }
 
@@ -179,7 +210,7 @@ static uint32_t *alloc_slots(kd_exec *x, uint32_t n)
 static int enqueue(kd_req *r, uint32_t nslots, bool host, kd_job_cost cost, kp_error *e)
 {
     r->job = (kd_job){.group = &r->client->group, .slots = r->exec->slots, .nslots = nslots,
-                      .cost = cost, .host = host};
+                      .cost = cost, .host = host, .gated = r->exec->has_ready};
     if (kd_sched_push(&daemon_of(r)->sched, &r->job) != KP_OK)
         return kp_fail(e, KP_E_NO_MEMORY, "no memory to queue the request");
     return KP_OK;
@@ -199,6 +230,22 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
         *p = r->prefill;
     else if ((rc = kp_prefill_params_decode(&r->msg, &r->client->session, p, e)))
         return rc;
+    if ((p->ready.present || p->done.present) && !d->backend->info.sems)
+        return kp_fail(e, KP_E_NOT_SUPPORTED, "%s: this daemon does not take semaphores (hello "
+                       "announces \"" KP_FEATURE_PREFILL_SEMAPHORES "\" when it does)",
+                       p->ready.present ? "ready" : "done");
+    /* The done word first: every later admission error can then write its failure value. */
+    if (p->done.present) {
+        if ((rc = use_word(r, &p->done, "done", &x->done, e)))
+            return rc;
+        x->has_done = true;
+    }
+    if (p->ready.present) {
+        if ((rc = use_word(r, &p->ready, "ready", &x->ready.word, e)))
+            return rc;
+        x->ready.owner = r;
+        x->has_ready = true;
+    }
     if ((rc = kd_layers_acquire(&d->layers, p->layer, r->client->peer.uid, &x->layer, e)))
         return rc;
     x->prefill.buf = calloc(p->nseqs, sizeof(*x->prefill.buf));
@@ -338,6 +385,7 @@ int kd_exec_admit(kd_req *r, kp_error *e)
     if (!r->exec)
         return kp_fail(e, KP_E_NO_MEMORY, "no memory for the request");
     r->release = exec_release;
+    r->answering = exec_answering;
     switch (r->method) {
     case KP_METHOD_PREFILL: rc = admit_prefill(r, &cost, &nslots, e); break;
     case KP_METHOD_SLOT_FREE:
@@ -483,6 +531,10 @@ static kd_prepare prepare_prefill(kd_req *r, kd_batch *b)
         kd_exec_finish(r, NULL);
         return KD_PREPARE_DONE;
     }
+    if (x->has_done) { /* the backend stores it after the batch's outputs and states */
+        b->dones[b->ndones++] = x->done;
+        x->done_set = true;
+    }
     return KD_PREPARE_BATCHED;
 }
 
@@ -494,6 +546,10 @@ static void finish_prefill(kd_req *r, const kd_batch *b)
     const uint32_t heads = r->client->session.geometry.heads;
     kp_error e;
     uint64_t tokens = 0;
+    if (x->has_done && !x->done_set) { /* no device work: nothing to wait for */
+        kd_backend_write_word(d->backend, x->done.buf, x->done.value);
+        x->done_set = true;
+    }
     for (uint32_t i = 0; i < p->nseqs; i++) {
         const kp_prefill_seq *q = &p->seqs[i];
         if (q->len > 0)
@@ -667,6 +723,8 @@ void kd_exec_finish(kd_req *r, const kd_batch *b)
 {
     kd_daemon *d = daemon_of(r);
     kp_error e;
+    if (b && b->status != KD_BATCH_OK && r->exec->has_done)
+        r->exec->done_set = false; /* the batch stored nothing: the answer writes the failure */
     if (b && b->status == KD_BATCH_FAILED) { /* nothing ran */
         kp_fail(&e, b->code, "%s", b->message);
         fail(r, &e);
@@ -704,11 +762,30 @@ void kd_exec_host(kd_req *r)
     reply_empty(r);
 }
 
+kd_ready_wait *kd_exec_ready_wait(kd_req *r)
+{
+    return r->exec && r->exec->has_ready ? &r->exec->ready : NULL;
+}
+
+/* The request's answering hook: a done word not written yet gets the
+ * failure value, before the answer goes out (a failure, or a drop). */
+static void exec_answering(kd_req *r)
+{
+    kd_exec *x = r->exec;
+    if (x && x->has_done && !x->done_set) {
+        kd_backend_write_word(daemon_of(r)->backend, x->done.buf,
+                              x->done.value | KP_SEM_FAILED);
+        x->done_set = true;
+    }
+}
+
 /* The request's release hook: what admission took goes back. */
 static void exec_release(kd_req *r)
 {
     kd_daemon *d = daemon_of(r);
     kd_exec *x = r->exec;
+    if (x->has_ready)
+        kd_ready_cancel(&x->ready);
     if (x->layer)
         kd_layer_unref(&d->layers, x->layer);
     for (uint32_t i = 0; i < x->nregions; i++)
@@ -738,4 +815,5 @@ static void exec_release(kd_req *r)
     free(x);
     r->exec = NULL;
     r->release = NULL;
+    r->answering = NULL;
 }

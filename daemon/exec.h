@@ -26,11 +26,16 @@
 
 #include "backend.h"
 #include "client.h"
+#include "sem.h"
 
 /* Admits a prefill or slot operation into the scheduler.  On failure
  * (returned, with e) the caller answers r; what it took goes with the
  * answer (r's release hook). */
 int kd_exec_admit(kd_req *r, kp_error *e);
+
+/* The ready-word wait of an admitted prefill that has one (it was admitted
+ * gated: kd_sched_ungate once the word is reached), else NULL. */
+kd_ready_wait *kd_exec_ready_wait(kd_req *r);
 
 typedef enum kd_prepare {
     KD_PREPARE_BATCHED = 0, /* it added work to the batch: finish after the backend */

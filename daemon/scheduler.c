@@ -3,7 +3,8 @@
  *
  * Invariant: a job is runnable (in a group's runnable list or the host list)
  * iff it is QUEUED and blocked == 0, i.e. it heads the FIFO of every slot
- * it names.  Only the removal of a FIFO head can unblock another job.
+ * it names and is not gated.  Only the removal of a FIFO head, or lifting
+ * a job's gate, can unblock a job.
  */
 #include "scheduler.h"
 
@@ -150,7 +151,7 @@ int kd_sched_push(kd_sched *s, kd_job *j)
     if (!j->nodes)
         return KP_E_NO_MEMORY;
     j->order = s->next_order++;
-    j->blocked = 0;
+    j->blocked = j->gated;
     j->state = KD_JOB_QUEUED;
     j->prev = j->next = NULL;
     for (uint32_t i = 0; i < j->nslots; i++) {
@@ -200,6 +201,15 @@ static void leave_fifos(kd_sched *s, kd_job *j)
     free(j->nodes);
     j->nodes = NULL;
     j->state = KD_JOB_IDLE;
+}
+
+void kd_sched_ungate(kd_sched *s, kd_job *j)
+{
+    if (!j->gated || j->state != KD_JOB_QUEUED)
+        return;
+    j->gated = false;
+    if (--j->blocked == 0)
+        make_runnable(s, j);
 }
 
 void kd_sched_done(kd_sched *s, kd_job *j)

@@ -76,9 +76,12 @@ struct kd_job {
     uint32_t nslots;       /* >= 1 */
     kd_job_cost cost;
     bool host;             /* a host job: no backend work */
+    bool gated;            /* not runnable before kd_sched_ungate, even at its FIFOs' heads
+                              (a prefill waiting for its ready word); it still holds its
+                              place in them */
     /* Private to the scheduler. */
     kd_job_node *nodes;
-    uint32_t blocked;      /* FIFOs this job does not head yet */
+    uint32_t blocked;      /* FIFOs this job does not head yet, +1 while gated */
     uint64_t order;        /* arrival order */
     kd_job_state state;
     kd_job *prev, *next;   /* in the group's runnable list or the host list */
@@ -115,6 +118,9 @@ kd_job *kd_sched_next_host(kd_sched *s);
 /* Hands out a batch of runnable device jobs (now RUNNING) into out[0..n),
  * n <= max; returns n (0 when nothing is runnable). */
 size_t kd_sched_form(kd_sched *s, const kd_sched_limits *lim, kd_job **out, size_t max);
+
+/* Lets a gated QUEUED job run once it heads its FIFOs. */
+void kd_sched_ungate(kd_sched *s, kd_job *job);
 
 /* A RUNNING job finished (successfully or not): it leaves its FIFOs. */
 void kd_sched_done(kd_sched *s, kd_job *job);

@@ -115,6 +115,7 @@ extern "C" {
     X(REGION_BOUNDS, -20, false, false, "reference reaches outside its region")             \
     X(PERMISSION_DENIED, -21, false, false, "operation not permitted to this client")       \
     X(NOT_SUPPORTED, -22, false, false, "not supported by this daemon")                     \
+    X(READY_TIMEOUT, -23, false, false, "the ready word did not reach its value in time")   \
     X(POOL_FULL, -30, true, false, "no free slot in the pool")                              \
     X(QUOTA_EXCEEDED, -31, false, false, "per-client quota exceeded")                       \
     X(BUSY, -32, true, false, "daemon overloaded; retry later")                             \
@@ -952,10 +953,33 @@ typedef struct kp_prefill_seq {
     };
 } kp_prefill_seq;
 
+/*
+ * A semaphore of a stream-ordered prefill (PROTOCOL.md §Stream-ordered
+ * requests): the 64-bit little-endian word at `offset` (a multiple of
+ * KP_SEM_ALIGN) of a region of the connection, and a value.  ready: the
+ * request runs once the word, read as unsigned, is >= value.  done: kdad
+ * stores value once the outputs and states are written, or value |
+ * KP_SEM_FAILED when the request failed.
+ */
+typedef struct kp_sem {
+    bool present;
+    uint32_t region;  /* >= 1 */
+    uint64_t offset;
+    uint64_t value;   /* 1..KP_SEM_VALUE_MAX */
+} kp_sem;
+
+#define KP_SEM_ALIGN 8u
+#define KP_SEM_FAILED (1ull << 63)             /* set in a done word: the request failed */
+#define KP_SEM_VALUE_MAX (KP_SEM_FAILED - 1)  /* values leave the failure bit clear */
+/* Feature announced in hello when prefill takes "ready" and "done". */
+#define KP_FEATURE_PREFILL_SEMAPHORES "prefill.semaphores"
+
 typedef struct kp_prefill_params {
     const char *layer;
     const kp_prefill_seq *seqs;
     uint32_t nseqs; /* 1..max_seqs_per_request */
+    kp_sem ready;   /* optional: run once the word reaches the value */
+    kp_sem done;    /* optional: written when the request is over */
 } kp_prefill_params;
 
 typedef struct kp_prefill_seq_result {

@@ -14,7 +14,8 @@
 
 #include "codec.h"
 
-static const char *const prefill_fields[] = {"layer", "seqs", NULL};
+static const char *const prefill_fields[] = {"layer", "seqs", "ready", "done", NULL};
+static const char *const sem_fields[] = {"region", "offset", "value", NULL};
 static const char *const seq_fields[] = {"slot", "expect_pos", "len", "fresh", "q", "k", "v",
                                          "g", "beta", "out", NULL};
 static const char *const seq_result_fields[] = {"pos", "out", NULL};
@@ -76,8 +77,30 @@ int kp_prefill_params_encode(kp_writer *w, uint32_t id, const kp_prefill_params 
                            i);
     }
 
-    enc_request(w, id, KP_METHOD_PREFILL, 2);
+    const kp_sem *sems[2] = {&p->ready, &p->done};
+    for (int i = 0; i < 2; i++) {
+        const kp_sem *m = sems[i];
+        if (m->present && (m->region == 0 || m->offset % KP_SEM_ALIGN || m->value == 0 ||
+                           m->value > KP_SEM_VALUE_MAX))
+            return kp_fail(err, KP_E_INVALID_PARAMS, "%s: needs a region >= 1, an offset that "
+                           "is a multiple of %u and a value in [1, 2^63 - 1]",
+                           i ? "done" : "ready", KP_SEM_ALIGN);
+    }
+
+    enc_request(w, id, KP_METHOD_PREFILL, 2 + p->ready.present + p->done.present);
     enc_kv_str(w, "layer", p->layer);
+    for (int i = 0; i < 2; i++) {
+        if (!sems[i]->present)
+            continue;
+        if (i)
+            enc_key(w, "done");
+        else
+            enc_key(w, "ready");
+        enc_map(w, 3);
+        enc_kv_u64(w, "region", sems[i]->region);
+        enc_kv_u64(w, "offset", sems[i]->offset);
+        enc_kv_u64(w, "value", sems[i]->value);
+    }
     enc_key(w, "seqs");
     enc_array(w, p->nseqs);
     for (uint32_t i = 0; i < p->nseqs; i++) {
@@ -289,6 +312,26 @@ static int check_out_overlaps(kp_msg *msg, const kp_prefill_params *p, kp_error 
     return KP_OK;
 }
 
+/* A semaphore field: {"region" >= 1, "offset" a multiple of 8, "value" in [1, 2^63 - 1]}. */
+static int decode_sem(kp_msg *msg, const dec_fields *pf, const char *name, kp_sem *m,
+                      kp_error *err)
+{
+    const msgpack_object *o;
+    dec_fields f;
+    int rc = dec_map(pf, name, &o, &m->present, err);
+    if (rc || !m->present)
+        return rc;
+    if ((rc = dec_open(&f, msg, o, name, sem_fields, DEC_STRICT, KP_E_INVALID_PARAMS, err)) ||
+        (rc = dec_u32(&f, "region", 1, UINT32_MAX, &m->region, NULL, err)) ||
+        (rc = dec_u64(&f, "offset", 0, UINT64_MAX - 7, &m->offset, NULL, err)) ||
+        (rc = dec_u64(&f, "value", 1, KP_SEM_VALUE_MAX, &m->value, NULL, err)))
+        return rc;
+    if (m->offset % KP_SEM_ALIGN)
+        return kp_fail(err, KP_E_INVALID_PARAMS, "%s.offset: %llu is not a multiple of %u",
+                       name, (unsigned long long)m->offset, KP_SEM_ALIGN);
+    return KP_OK;
+}
+
 int kp_prefill_params_decode(kp_msg *msg, const kp_session *s, kp_prefill_params *p,
                              kp_error *err)
 {
@@ -299,7 +342,9 @@ int kp_prefill_params_decode(kp_msg *msg, const kp_session *s, kp_prefill_params
     memset(p, 0, sizeof(*p));
     int rc = dec_params(&f, msg, prefill_fields, err);
     if (rc || (rc = dec_str(&f, "layer", 1, KP_NAME_MAX, &p->layer, NULL, err)) ||
-        (rc = dec_array(&f, "seqs", lim->max_seqs_per_request, false, &arr, &n, NULL, err)))
+        (rc = dec_array(&f, "seqs", lim->max_seqs_per_request, false, &arr, &n, NULL, err)) ||
+        (rc = decode_sem(msg, &f, "ready", &p->ready, err)) ||
+        (rc = decode_sem(msg, &f, "done", &p->done, err)))
         return rc;
     kp_prefill_seq *seqs = dec_alloc(msg, n, sizeof(*seqs), err);
     if (!seqs)

@@ -664,7 +664,7 @@ uint32_t dh_send_prefill(dh_client *c, const char *layer, uint64_t slot, const d
         q.g = kp_ref_inline(s->g, DH_TOKEN_BYTES(s->len));
         q.beta = kp_ref_inline(s->beta, DH_BETA_BYTES(s->len));
     }
-    kp_prefill_params p = {layer, &q, 1};
+    kp_prefill_params p = {.layer = layer, .seqs = &q, .nseqs = 1};
     uint32_t id = dh_id(c);
     kp_error e;
     if (kp_prefill_params_encode(&c->w, id, &p, &e) != KP_OK)
@@ -679,7 +679,7 @@ uint64_t dh_recv_prefill(dh_client *c, uint32_t id, const dh_seq *s, uint16_t *o
     kp_prefill_seq q;
     memset(&q, 0, sizeof(q));
     q.len = s->len;
-    kp_prefill_params req = {"", &q, 1};
+    kp_prefill_params req = {.layer = "", .seqs = &q, .nseqs = 1};
     kp_prefill_result r;
     kp_error e;
     if (kp_prefill_result_decode(&c->msg, &c->session, &req, &r, &e) != KP_OK)

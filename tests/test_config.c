@@ -74,6 +74,8 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.hold_max_us, KD_DEFAULT_HOLD_MAX_US);
     assert_int_equal(c.gather_us, KD_DEFAULT_GATHER_US);
     assert_int_equal(c.gather_wave_percent, KD_DEFAULT_GATHER_WAVE_PERCENT);
+    assert_int_equal(c.ready_spin_us, KD_DEFAULT_READY_SPIN_US);
+    assert_int_equal(c.ready_timeout_ms, KD_DEFAULT_READY_TIMEOUT_MS);
     assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
     assert_int_equal(c.max_connections_per_uid, KD_DEFAULT_MAX_CONNECTIONS_PER_UID);
     assert_int_equal(c.max_inflight_bytes_per_uid, KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID);

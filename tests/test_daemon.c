@@ -339,7 +339,7 @@ static void test_multi_sequence_request(void **unused)
     q[1].fresh = true;
     q[2].has_expect_pos = true;
     q[2].expect_pos = 0;
-    kp_prefill_params p = {"L", q, 3};
+    kp_prefill_params p = {.layer = "L", .seqs = q, .nseqs = 3};
     id = dh_id(&c);
     assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
     dh_send(&c);
@@ -677,7 +677,7 @@ static void test_handles_positions_and_quotas(void **unused)
     dh_expect_error(&c, id, KP_E_INVALID_PARAMS, "seqs[0].len: 600 is outside [0, 512]");
     dh_seq half = dh_seq_slice(&t, 0, 300);
     kp_prefill_seq two[2] = {inline_seq(a, &half), inline_seq(gone, &half)};
-    kp_prefill_params over = {"L", two, 2};
+    kp_prefill_params over = {.layer = "L", .seqs = two, .nseqs = 2};
     id = dh_id(&c);
     assert_int_equal(kp_prefill_params_encode(&c.w, id, &over, NULL), KP_OK);
     dh_send(&c);
@@ -713,7 +713,7 @@ static void test_handles_positions_and_quotas(void **unused)
     dh_expect_error(&c, id, KP_E_STATE_LOST, "empty");
     kp_prefill_seq q = inline_seq(e, &s);
     q.fresh = true;
-    kp_prefill_params p = {"L", &q, 1};
+    kp_prefill_params p = {.layer = "L", .seqs = &q, .nseqs = 1};
     id = dh_id(&c);
     assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
     dh_send(&c);
@@ -1070,7 +1070,7 @@ static void test_malformed_frames(void **unused)
     uint64_t slot = dh_alloc(&c);
     kp_prefill_seq q = inline_seq(slot, &s);
     q.q.nbytes = 100;
-    kp_prefill_params p = {"L", &q, 1};
+    kp_prefill_params p = {.layer = "L", .seqs = &q, .nseqs = 1};
     uint32_t id = dh_id(&c);
     assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
     dh_send(&c);
@@ -1163,7 +1163,7 @@ static bool drain_read(dh_client *c, drain_seen *v)
     kp_prefill_seq q;
     memset(&q, 0, sizeof(q));
     q.len = DRAIN_LEN;
-    kp_prefill_params req = {"L", &q, 1};
+    kp_prefill_params req = {.layer = "L", .seqs = &q, .nseqs = 1};
     kp_prefill_result res;
     assert_int_equal(kp_prefill_result_decode(&c->msg, &c->session, &req, &res, NULL), KP_OK);
     v->pos[id - v->first_id] = res.seqs[0].pos;

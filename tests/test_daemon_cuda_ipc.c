@@ -223,7 +223,7 @@ static void region_prefill_matches_inline(bool vmm)
     for (int t = 0; t < KP_PREFILL_TENSORS; t++)
         q.tensors[t] = kp_ref_region(region, off[t], t == KP_TENSOR_BETA ? DH_BETA_BYTES(len)
                                                                             : DH_TOKEN_BYTES(len));
-    kp_prefill_params p = {"L", &q, 1};
+    kp_prefill_params p = {.layer = "L", .seqs = &q, .nseqs = 1};
     uint32_t id = dh_id(&c);
     assert_int_equal(kp_prefill_params_encode(&c.w, id, &p, NULL), KP_OK);
     dh_send(&c);

@@ -109,7 +109,7 @@ static kp_prefill_seq region_seq(uint64_t slot, uint32_t region, const layout *l
 
 static uint32_t send_prefill(dh_client *c, const kp_prefill_seq *q)
 {
-    kp_prefill_params p = {"L", q, 1};
+    kp_prefill_params p = {.layer = "L", .seqs = q, .nseqs = 1};
     uint32_t id = dh_id(c);
     kp_error e;
     if (kp_prefill_params_encode(&c->w, id, &p, &e) != KP_OK)
@@ -155,7 +155,7 @@ static void test_shm_matches_inline(void **unused)
     kp_prefill_seq q = region_seq(a, region, &lay, 77, true);
     uint32_t id = send_prefill(&c, &q);
     dh_expect_result(&c, id);
-    kp_prefill_params req = {"L", &q, 1};
+    kp_prefill_params req = {.layer = "L", .seqs = &q, .nseqs = 1};
     kp_prefill_result res;
     assert_int_equal(kp_prefill_result_decode(&c.msg, &c.session, &req, &res, NULL), KP_OK);
     assert_int_equal(res.seqs[0].pos, 77);
@@ -239,7 +239,7 @@ static void run_chain(const char *cfg, const dh_seq *s, uint32_t split, uint16_t
         kp_prefill_seq q = region_seq(slot, region, &lay[i], lens[i], true);
         uint32_t id = send_prefill(&c, &q);
         dh_expect_result(&c, id);
-        kp_prefill_params req = {"L", &q, 1};
+        kp_prefill_params req = {.layer = "L", .seqs = &q, .nseqs = 1};
         kp_prefill_result res;
         assert_int_equal(kp_prefill_result_decode(&c.msg, &c.session, &req, &res, NULL), KP_OK);
         assert_int_equal(res.seqs[0].pos, i ? s->len : lens[0]);

@@ -343,7 +343,7 @@ static void send_prefill_on(engine_fixture *f, loop_client *c, uint64_t slot, ui
     q.len = len;
     q.q = q.k = q.v = q.g = kp_ref_inline(f->zeros, tb);
     q.beta = kp_ref_inline(f->zeros, kp_beta_bytes(len, HEADS));
-    kp_prefill_params p = {"l", &q, 1};
+    kp_prefill_params p = {.layer = "l", .seqs = &q, .nseqs = 1};
     assert_int_equal(kp_prefill_params_encode(&c->w, id, &p, NULL), KP_OK);
     send_frame_on(f, c);
 }

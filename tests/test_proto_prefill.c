@@ -7,6 +7,8 @@
  * reader (proto/prefill_read.c) held to the decoder's verdicts on every
  * refused edit, on random requests and on mutated ones.  Each invalid request
  * is the valid four-sequence request of test_proto_harness.c with one change.
+ * The semaphores of stream-ordered prefills: encoded and decoded, refused
+ * when malformed, declined by the one-pass reader.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -812,6 +814,72 @@ static void test_field_name(void **state)
     assert_string_equal(big, "abcde");
 }
 
+/* ready and done: round trip, the encoder's and the decoder's refusals, the
+ * one-pass reader declining them to the decoder. */
+static void test_prefill_semaphores(void **state)
+{
+    kp_prefill_seq seqs[4];
+    valid_prefill_seqs(seqs);
+    kp_prefill_params p = {.layer = "L", .seqs = seqs, .nseqs = 4,
+                           .ready = {true, 1, 8, 5}, .done = {true, 2, 4096, KP_SEM_VALUE_MAX}};
+    ENC(kp_prefill_params_encode(&test_writer, 12, &p, &enc_err_));
+    wire x;
+    open_request(&x, KP_METHOD_PREFILL, 12);
+    kp_prefill_params got;
+    DEC(kp_prefill_params_decode(&x.msg, &test_session, &got, &dec_err_));
+    assert_true(got.ready.present && got.done.present);
+    assert_int_equal(got.ready.region, 1);
+    assert_int_equal(got.ready.offset, 8);
+    assert_int_equal(got.ready.value, 5);
+    assert_int_equal(got.done.region, 2);
+    assert_int_equal(got.done.offset, 4096);
+    assert_int_equal(got.done.value, KP_SEM_VALUE_MAX);
+    assert_int_equal(got.nseqs, 4);
+    assert_true(prefill_read_agrees(x.frame + 4, x.len - 4, &test_session, false));
+    wire_close(&x);
+
+    static const kp_sem bad[] = {{true, 0, 8, 1}, {true, 1, 12, 1}, {true, 1, 8, 0},
+                                 {true, 1, 8, KP_SEM_FAILED}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        kp_prefill_params q = {.layer = "L", .seqs = seqs, .nseqs = 4, .done = bad[i]};
+        kp_error err;
+        expect_error(kp_prefill_params_encode(&test_writer, 13, &q, &err), &err,
+                     KP_E_INVALID_PARAMS, "done: needs a region >= 1");
+    }
+
+    edit e;
+    struct {
+        const char *key;
+        int form; /* 0: a number, 1: {region, offset} without value, 2: offset 12, 3: region 0,
+                     4: value 2^63, 5: an unknown field */
+        const char *message;
+    } cases[] = {
+        {"ready", 0, "ready: expected a map"},
+        {"done", 1, "done.value: required field is missing"},
+        {"ready", 2, "ready.offset: 12 is not a multiple of 8"},
+        {"done", 3, "done.region"},
+        {"ready", 4, "ready.value"},
+        {"done", 5, "done: unknown field \"when\""},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        encode_valid_prefill();
+        edit_begin(&e);
+        msgpack_object v;
+        if (cases[i].form == 0) {
+            v = v_u64(3);
+        } else {
+            v = v_region(&e, cases[i].form == 3 ? 0 : 1, cases[i].form == 2 ? 12 : 8);
+            if (cases[i].form != 1)
+                edit_set(&e, &v, "value", v_u64(cases[i].form == 4 ? KP_SEM_FAILED : 1));
+            if (cases[i].form == 5)
+                edit_set(&e, &v, "when", v_u64(1));
+        }
+        edit_set(&e, e.map, cases[i].key, v);
+        expect_refused(&e, KP_E_INVALID_PARAMS, cases[i].message);
+        edit_end(&e);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -838,6 +906,7 @@ int main(void)
                                         prefill_teardown),
         cmocka_unit_test_setup_teardown(test_prefill_check_regions, prefill_setup, prefill_teardown),
         cmocka_unit_test(test_field_name),
+        cmocka_unit_test_setup_teardown(test_prefill_semaphores, prefill_setup, prefill_teardown),
     };
     return cmocka_run_group_tests(tests, harness_setup, harness_teardown);
 }

@@ -1,7 +1,7 @@
 /*
  * test_sched.c - daemon/scheduler.c: batch formation, per-slot arrival order,
  * fairness across connections, batch limits, host jobs and cancellation,
- * the runnable totals.
+ * the runnable totals, gated jobs.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -287,6 +287,49 @@ static void test_runnable_totals(void **state)
     kd_sched_done(&f->s, behind_a);
 }
 
+/* A gated job (a prefill waiting for its ready word) holds its place in its
+ * slots' FIFOs without running: others' jobs and its own connection's jobs
+ * on other slots form batches, jobs behind it on its slot wait; ungated it
+ * runs; cancelled (a timeout) it lets the next one go. */
+static void test_gated_jobs(void **state)
+{
+    fixture *f = *state;
+    kd_job *g = &f->job[f->njobs++];
+    static uint32_t gslot = 1;
+    *g = (kd_job){.group = &f->group[0], .slots = &gslot, .nslots = 1, .cost = {10, 1, 0, 0},
+                  .gated = true};
+    assert_int_equal(kd_sched_push(&f->s, g), 0);
+    kd_job *behind = push(f, 0, 1, -1, 10, false); /* same slot */
+    kd_job *other = push(f, 1, 2, -1, 10, false);
+    kd_job *own = push(f, 0, 3, -1, 10, false);
+    assert_int_equal(f->s.runnable.seqs, 2);
+    kd_job *want[] = {other, own};
+    form_expect(f, &roomy, want, 2);
+    kd_sched_done(&f->s, other);
+    kd_sched_done(&f->s, own);
+    assert_int_equal(kd_sched_form(&f->s, &roomy, (kd_job *[MAXJOBS]){0}, MAXJOBS), 0);
+
+    kd_sched_ungate(&f->s, g);
+    kd_sched_ungate(&f->s, g); /* twice: no effect */
+    kd_job *first[] = {g};
+    form_expect(f, &roomy, first, 1);
+    kd_sched_done(&f->s, g);
+    kd_job *next[] = {behind};
+    form_expect(f, &roomy, next, 1);
+    kd_sched_done(&f->s, behind);
+
+    /* Cancelled while gated at the head: the job behind it runs. */
+    *g = (kd_job){.group = &f->group[0], .slots = &gslot, .nslots = 1, .cost = {10, 1, 0, 0},
+                  .gated = true};
+    assert_int_equal(kd_sched_push(&f->s, g), 0);
+    kd_job *after = push(f, 1, 1, -1, 10, false);
+    assert_int_equal(f->s.runnable.seqs, 0);
+    kd_sched_cancel(&f->s, g);
+    kd_job *last[] = {after};
+    form_expect(f, &roomy, last, 1);
+    kd_sched_done(&f->s, after);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -298,6 +341,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_no_overtaking_within_a_connection, setup, teardown),
         cmocka_unit_test_setup_teardown(test_host_jobs_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_runnable_totals, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_gated_jobs, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -132,6 +132,7 @@ KDAC_EXPORT const char *kdac_version_string(void);
     X(REGION_BOUNDS, -20, false, "reference reaches outside its region")                     \
     X(PERMISSION_DENIED, -21, false, "operation not permitted to this client")               \
     X(NOT_SUPPORTED, -22, false, "not supported by this daemon")                             \
+    X(READY_TIMEOUT, -23, false, "the ready word did not reach its value in time")           \
     X(POOL_FULL, -30, true, "no free slot in the pool")                                      \
     X(QUOTA_EXCEEDED, -31, false, "per-client quota exceeded")                               \
     X(BUSY, -32, true, "daemon overloaded; retry later")                                     \
@@ -525,6 +526,79 @@ KDAC_EXPORT int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_
                                   uint32_t nseqs, kdac_cb cb, void *data, kdac_error *err);
 
 /* ------------------------------------------------------------------------ */
+/* Stream-ordered prefills (PROTOCOL.md §Stream-ordered requests)             */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * A semaphore: a 64-bit word at `offset` (a multiple of 8) of a region
+ * registered on this connection, and a value in [1, KDAC_SEM_VALUE_MAX].
+ * ready: the daemon runs the request once the word (unsigned) is >= value.
+ * done: the daemon stores value once the request's outputs and states are
+ * written, or value | KDAC_SEM_FAILED when it failed; a wait for >= value is
+ * released either way.  `host` is the word's address in this process when
+ * the CPU can reach it (a kdac_shm mapping + offset), else NULL; `dev` its
+ * device address for the caller's CUDA stream (kdac_shm_map_device, or
+ * device memory), 0 when no stream uses it.
+ */
+typedef struct kdac_sem {
+    uint32_t region;
+    uint64_t offset;
+    uint64_t value;
+    void *host;
+    uint64_t dev;
+} kdac_sem;
+
+#define KDAC_SEM_FAILED (1ull << 63)           /* set in a done word: the request failed */
+#define KDAC_SEM_VALUE_MAX (KDAC_SEM_FAILED - 1)
+#define KDAC_FEATURE_SEMAPHORES "prefill.semaphores" /* in kdac_server_info.features */
+
+/*
+ * kdac_prefill_send with a ready and/or a done semaphore (either may be
+ * NULL; both NULL is kdac_prefill_send).  The request may be sent before its
+ * inputs exist: the daemon runs it once the ready word reaches its value
+ * (READY_TIMEOUT after the daemon's bound).  Whenever the request completes
+ * with an error of any kind - the daemon's, a lost connection (the library
+ * notices it when it next reads the socket: keep the client's fd in your
+ * event loop or call kdac_client_progress), kdac_client_close - the library
+ * stores done->value | KDAC_SEM_FAILED in the done word itself before the
+ * callback runs (host: a release store; device only: through the CUDA
+ * driver, loaded at run time), so nothing waits on it forever.  Keep the
+ * words' memory mapped (and the semaphores' host addresses valid) until the
+ * request completes.
+ * Errors: NOT_SUPPORTED (the daemon lacks the feature), INVALID_PARAMS, and
+ * those of kdac_prefill_send.
+ */
+KDAC_EXPORT int kdac_prefill_send_sems(kdac_client *c, const char *layer, const kdac_seq *seqs,
+                                       uint32_t nseqs, const kdac_sem *ready,
+                                       const kdac_sem *done, kdac_cb cb, void *data,
+                                       kdac_error *err);
+
+/*
+ * The stream form: on `stream` (a cudaStream_t / CUstream of the calling
+ * thread's current context) enqueues the store of ready->value into the
+ * ready word (cuStreamWriteValue64), sends the request without waiting, and
+ * enqueues a wait for the done word to reach done->value
+ * (cuStreamWaitValue64, GEQ).  Work enqueued on the stream before the call
+ * produces the inputs; work enqueued after it may consume the outputs.  Both
+ * semaphores need `dev`.  The host never waits: the response arrives later
+ * through cb (read it with kdac_client_progress or your event loop), and
+ * every failure releases the stream with the failure value (see above), so
+ * check the callback's status, or the done word, before trusting outputs.
+ * The library links no CUDA: it loads libcuda.so.1 at the first call.
+ * Errors: NOT_SUPPORTED (no CUDA driver, or the daemon lacks the feature),
+ * INVALID_ARGUMENT (a semaphore without dev), DEVICE_FAILED (the driver
+ * refused an enqueue: nothing was sent), and those of kdac_prefill_send.
+ */
+KDAC_EXPORT int kdac_prefill_on_stream(kdac_client *c, void *stream, const char *layer,
+                                       const kdac_seq *seqs, uint32_t nseqs,
+                                       const kdac_sem *ready, const kdac_sem *done, kdac_cb cb,
+                                       void *data, kdac_error *err);
+
+/* A host done word's state: 0 while below value, 1 reached, -1 reached with
+ * KDAC_SEM_FAILED (the request failed).  An acquire load: outputs are
+ * visible after 1. */
+KDAC_EXPORT int kdac_sem_check(const kdac_sem *done);
+/* ------------------------------------------------------------------------ */
 /* Decode steps                                                              */
 /* ------------------------------------------------------------------------ */
 
@@ -765,6 +839,14 @@ typedef struct kdac_shm {
 KDAC_EXPORT int kdac_shm_create(kdac_shm *shm, uint64_t size, const char *name, kdac_error *err);
 /* Unmaps and closes it (the daemon keeps its own mapping while registered). */
 KDAC_EXPORT void kdac_shm_close(kdac_shm *shm);
+
+/* Pins and maps a kdac_shm for the devices (cuMemHostRegister, DEVICEMAP)
+ * in the calling thread's current CUDA context, for semaphore words that a
+ * CUDA stream writes or waits on; *dev receives the device address of its
+ * base.  Unmap before kdac_shm_close.  Errors: NOT_SUPPORTED (no CUDA
+ * driver), DEVICE_FAILED (the driver refused). */
+KDAC_EXPORT int kdac_shm_map_device(kdac_shm *shm, uint64_t *dev, kdac_error *err);
+KDAC_EXPORT void kdac_shm_unmap_device(kdac_shm *shm);
 
 /*
  * Registers [0, size) of a sealed memfd as a region of this connection:

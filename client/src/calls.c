@@ -142,7 +142,8 @@ static void prefill_answer(const pending *p, const kp_prefill_result *r, kdac_re
 static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res,
                           kp_error *err)
 {
-    kp_prefill_params req = {NULL, p->ctx.prefill.seqs, p->ctx.prefill.nseqs};
+    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs,
+                             .nseqs = p->ctx.prefill.nseqs};
     kp_prefill_result r;
     int rc = kp_prefill_result_decode(msg, &c->session, &req, &r, err);
     if (rc)
@@ -161,7 +162,8 @@ static int prefill_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *
 static bool prefill_read(kdac_client *c, pending *p, const uint8_t *body, size_t len,
                          kdac_result *res)
 {
-    kp_prefill_params req = {NULL, p->ctx.prefill.seqs, p->ctx.prefill.nseqs};
+    kp_prefill_params req = {.layer = NULL, .seqs = p->ctx.prefill.seqs,
+                             .nseqs = p->ctx.prefill.nseqs};
     kp_prefill_result r;
     if (!kp_prefill_result_read(body, len, c->rd.max_frame, &req, p->ctx.prefill.pos, &r))
         return false;
@@ -210,8 +212,68 @@ static int prefill_seq(const kdac_client *c, const kdac_seq *s, uint32_t i, kp_p
     return KDAC_OK;
 }
 
+static bool has_feature(const kdac_client *c, const char *name)
+{
+    for (uint32_t i = 0; i < c->info.nfeatures; i++) {
+        if (strcmp(c->info.features[i], name) == 0)
+            return true;
+    }
+    return false;
+}
+
+static int check_sem(const kdac_sem *m, const char *name, kdac_error *err)
+{
+    if (m->region == 0 || m->offset % KP_SEM_ALIGN || m->value == 0 ||
+        m->value > KDAC_SEM_VALUE_MAX)
+        return kdac_fail(err, KDAC_E_INVALID_PARAMS, "%s: needs a region >= 1, an offset that "
+                         "is a multiple of %u and a value in [1, 2^63 - 1]", name, KP_SEM_ALIGN);
+    return KDAC_OK;
+}
+
+int client_prefill_check_sems(kdac_client *c, const kdac_sem *ready, const kdac_sem *done,
+                              kdac_error *err)
+{
+    int rc;
+    if (!ready && !done)
+        return KDAC_OK;
+    if (!c)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "client is NULL");
+    if (!has_feature(c, KDAC_FEATURE_SEMAPHORES))
+        return kdac_fail(err, KDAC_E_NOT_SUPPORTED, "the daemon does not take semaphores (no "
+                         "\"" KDAC_FEATURE_SEMAPHORES "\" in hello)");
+    if ((ready && (rc = check_sem(ready, "ready", err))) ||
+        (done && (rc = check_sem(done, "done", err))))
+        return rc;
+    return KDAC_OK;
+}
+
 int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, uint32_t nseqs,
                       kdac_cb cb, void *data, kdac_error *err)
+{
+    return client_prefill_send(c, layer, seqs, nseqs, NULL, NULL, NULL, cb, data, err);
+}
+
+int kdac_prefill_send_sems(kdac_client *c, const char *layer, const kdac_seq *seqs,
+                           uint32_t nseqs, const kdac_sem *ready, const kdac_sem *done,
+                           kdac_cb cb, void *data, kdac_error *err)
+{
+    int rc = client_prefill_check_sems(c, ready, done, err);
+    if (rc)
+        return rc;
+    return client_prefill_send(c, layer, seqs, nseqs, ready, done, NULL, cb, data, err);
+}
+
+static kp_sem wire_sem(const kdac_sem *m)
+{
+    kp_sem w = {false, 0, 0, 0};
+    if (m)
+        w = (kp_sem){true, m->region, m->offset, m->value};
+    return w;
+}
+
+int client_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, uint32_t nseqs,
+                        const kdac_sem *ready, const kdac_sem *done, void *ctx, kdac_cb cb,
+                        void *data, kdac_error *err)
 {
     int rc = check_send(c, cb, err);
     if (rc)
@@ -260,7 +322,15 @@ int kdac_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, u
         pending_free(c, p);
         return rc;
     }
-    kp_prefill_params params = {layer, p->ctx.prefill.seqs, nseqs};
+    kp_prefill_params params = {.layer = layer, .seqs = p->ctx.prefill.seqs, .nseqs = nseqs,
+                                .ready = wire_sem(ready), .done = wire_sem(done)};
+    if (done) {
+        p->has_done = true;
+        p->done_host = done->host;
+        p->done_dev = done->dev;
+        p->done_ctx = ctx;
+        p->done_value = done->value;
+    }
     kp_error e;
     return finish(c, p, kp_prefill_params_encode(p->w, p->id, &params, &e), &e, err);
 }

@@ -8,6 +8,7 @@
  *   calls.c    one encoder + result decoder per method, blocking wrappers
  *   shm.c      memfd regions
  *   shard.c    head-sharded clients (public API only)
+ *   stream.c   stream-ordered prefills: semaphore words, the CUDA driver loaded at run time
  */
 #ifndef KDAC_CLIENT_INT_H
 #define KDAC_CLIENT_INT_H
@@ -52,6 +53,11 @@ struct pending {
     uint64_t unsent;        /* frame bytes not yet written */
     pending *hash_next;     /* bucket chain */
     pending *send_next;     /* send queue */
+    bool has_done;          /* a done word to release with the failure value on any error */
+    void *done_host;        /* its address here, or NULL (device memory) */
+    uint64_t done_dev;      /* its device address (with done_ctx), when done_host is NULL */
+    void *done_ctx;         /* the CUcontext of done_dev, or NULL */
+    uint64_t done_value;
     union {                 /* what the result decoder needs, per method */
         struct {
             kp_prefill_seq *seqs; /* the request as encoded (lengths, out kinds) */
@@ -142,6 +148,17 @@ void client_fail(kdac_client *c, int code, const char *fmt, ...) __attribute__((
 void client_complete_all(kdac_client *c, const kdac_error *e);
 /* Refuses calls on a failed connection or from inside a callback. */
 int client_check_usable(kdac_client *c, bool blocking, kdac_error *err);
+
+/* calls.c: kdac_prefill_send_sems's checks of the semaphores against the
+ * daemon's features, and the request itself (ctx: the CUcontext of a
+ * device-only done word, or NULL). */
+int client_prefill_check_sems(kdac_client *c, const kdac_sem *ready, const kdac_sem *done,
+                              kdac_error *err);
+int client_prefill_send(kdac_client *c, const char *layer, const kdac_seq *seqs, uint32_t nseqs,
+                        const kdac_sem *ready, const kdac_sem *done, void *ctx, kdac_cb cb,
+                        void *data, kdac_error *err);
+/* stream.c: stores the failure value in p's done word, once (no-op without one). */
+void client_sem_fail(pending *p);
 
 /* The ring.attach answer arrived: frames take the ring from here on. */
 void client_ring_start(kdac_client *c);

@@ -134,6 +134,8 @@ static void complete(kdac_client *c, pending *p, const kdac_result *res, int sta
     table_remove(c, p);
     if (!p->sent)
         sendq_remove(c, p);
+    if (status != KDAC_OK) /* whatever failed, a stream waiting on the done word goes on */
+        client_sem_fail(p);
     c->cb_depth++;
     p->cb(c, p->data, res, status);
     c->cb_depth--;

@@ -5,8 +5,8 @@
 # beside the JSON results, so that few files travel back); a short summary is
 # printed last.
 #
-#   scripts/dev/gpu-check.sh [layout] [kernel] [decode] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests] [multi]
-#   (default: all but ab, vtests and multi).  `decode` is the step kernel's tests and memcheck.  `multi` is one kdad per GPU: test_shard_cuda and
+#   scripts/dev/gpu-check.sh [layout] [kernel] [decode] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests] [multi] [stream]
+#   (default: all but ab, vtests, multi and stream).  `decode` is the step kernel's tests and memcheck.  `multi` is one kdad per GPU: test_shard_cuda and
 #   scripts/dev/multi-gpu-check.sh (two GPUs on nvidia-h200-x2; on one GPU both daemons share it).  `launch` is bench_launch: what starting a batch costs; `ipc`
 #   is bench_ipc: the kernel on CUDA IPC memory against local memory, by allocation size and
 #   tensor placement.  `bench` and the full `e2e` together take more than 600 s when kdactl
@@ -14,7 +14,9 @@
 #   they were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
 #   and every .device/bin/bench_kernel_* (scripts/dev/kernel-variant.sh) twice,
 #   interleaved, on the six standard workloads; `vtests` runs every variant's
-#   .device/bin/test_cuda_kernel_*.
+#   .device/bin/test_cuda_kernel_*.  `stream` runs the stream-ordered prefills' GPU suite
+#   (test_daemon_stream_cuda) and bench_layers (the 20-layer loop: in process, kdad synchronised,
+#   kdad stream-ordered; h200-layers.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/kdad-gpu}
@@ -67,6 +69,12 @@ for step in $steps; do
                 timeout 200 "$t" >> "$out/vtests.log" 2>&1 || rc=1
               done
               (exit $rc) ;;
+    stream)   built=$(strings $bin/test_daemon_stream_cuda | grep -m1 -E '^/.*build[^/]*$')
+              mkdir -p "$built/daemon" && cp $bin/kdad "$built/daemon/"
+              timeout 300 $bin/test_daemon_stream_cuda > "$out/stream.log" 2>&1; rc=$?
+              timeout 280 $bin/bench_layers --kdad $bin/kdad --json "$out/h200-layers.json" \
+                > "$out/layers.log" 2>&1 || rc=1
+              (exit $rc) ;;
     ab)       rc=0
               for round in 1 2; do
                 for b in $bin/bench_kernel $bin/bench_kernel_*; do
@@ -99,6 +107,8 @@ for step in $steps; do
     ab)       grep -E '^== |^H(96|64) (fixed 8192|mixed|uniform 8x1024) ' "$out/ab.log" | cut -c1-62 ;;
     vtests)   grep -E '^== |^-- |FAILED|PASSED|clusters' "$out/vtests.log" | head -40 ;;
     multi)    grep -E 'GPU\(s\)|PASSED|FAILED|ERROR|^aggregate' "$out/multi.log" | tail -12 ;;
+    stream)   grep -E 'PASSED|FAILED|SKIP|median|done word|READY_TIMEOUT|tests? run' "$out/stream.log" | tail -12
+              tail -16 "$out/layers.log" ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done

@@ -32,7 +32,7 @@
 
 /* A prefill request the results are read against: three sequences, outputs in regions. */
 static kp_prefill_seq result_seqs[3];
-static const kp_prefill_params result_req = {"L", result_seqs, 3};
+static const kp_prefill_params result_req = {.layer = "L", .seqs = result_seqs, .nseqs = 3};
 /* A step request the step results are read against: two sequences of one token, inline output. */
 static const kp_step_params step_req = {.layer = "L", .nseqs = 2, .tokens = 2};
 

@@ -160,7 +160,7 @@ int main(int argc, char **argv)
     seqs[1].has_expect_pos = true;
     seqs[1].expect_pos = 4;
     seqs[2].fresh = true;
-    kp_prefill_params prefill = {"L", seqs, 3};
+    kp_prefill_params prefill = {.layer = "L", .seqs = seqs, .nseqs = 3};
     take(dir, &w, kp_prefill_params_encode(&w, id++, &prefill, &e), &e);
     /* inputs at the edges of fuzz_wire's regions: ending at the last byte of region 3 (4096
      * bytes; offsets are multiples of 16), 16 bytes past it, and past the end of the address
@@ -172,7 +172,7 @@ int main(int argc, char **argv)
     }
     edge.out.region = 1; /* the output may overlap no input */
     edge.out.offset = 0;
-    kp_prefill_params at_edge = {"L", &edge, 1};
+    kp_prefill_params at_edge = {.layer = "L", .seqs = &edge, .nseqs = 1};
     take(dir, &w, kp_prefill_params_encode(&w, id++, &at_edge, &e), &e);
     edge.q.offset += 16;
     take(dir, &w, kp_prefill_params_encode(&w, id++, &at_edge, &e), &e);

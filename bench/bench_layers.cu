@@ -1,0 +1,602 @@
+/*
+ * bench_layers.cu - a serving stack's forward pass against KDA served three
+ * ways: L layers on one CUDA stream, each a producer (a copy kernel moving
+ * q, k, v, g, beta's bytes into the layer's input buffers), the KDA layer,
+ * and a consumer (a copy kernel reading the output).
+ *
+ *   bench_layers --kdad PATH [--layers 20] [--passes 10] [--json FILE]
+ *
+ * For H = 32 and H = 96 it starts its own kdad (PATH --backend cuda --heads
+ * H, on a socket in a temporary folder), then for 8192 tokens in one
+ * sequence and in a mix of eight runs each variant:
+ *   inproc  the kernel library (kernels/) called in this process, same stream;
+ *   sync    through kdad, synchronised on the host as PROTOCOL.md's rules 1-3
+ *           ask: the stream is finished before each request is sent, and the
+ *           response awaited before the consumer is enqueued;
+ *   stream  through kdad, stream-ordered (kdac_prefill_on_stream): the host
+ *           enqueues every layer at once, the stream writes each ready word
+ *           and waits for each done word.
+ * Inputs and outputs live in device memory registered with kdad as a CUDA
+ * IPC region; the semaphore words in a shared memory region mapped for both
+ * GPUs' streams.  Every sequence starts FRESH each pass, so all variants
+ * compute the same outputs (checked bit for bit, last layer).
+ *
+ * Reported per (H, workload, variant): the median time per forward pass
+ * (CUDA events around the pass on the client's stream), its ratio to
+ * inproc, the median per layer of the "KDA slot" on the client's stream (from
+ * the producer's end to the consumer's start) and of the GPU idle per layer
+ * (that slot less inproc's), and for stream whether the host had enqueued
+ * all L layers before the first layer's KDA finished.
+ */
+#include <algorithm>
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <string>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <vector>
+
+#include "kda_cuda.h"
+#include "kdaclient.h"
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static void die(const char *what, const char *msg)
+{
+    fprintf(stderr, "bench_layers: %s: %s\n", what, msg);
+    exit(1);
+}
+
+static double now_s()
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return double(t.tv_sec) + t.tv_nsec * 1e-9;
+}
+
+/* The producer and the consumer: 16-byte copies, grid-stride. */
+__global__ void copy16(uint4 *dst, const uint4 *src, size_t n)
+{
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+        dst[i] = src[i];
+}
+
+static void copy_async(void *dst, const void *src, size_t bytes, cudaStream_t st)
+{
+    copy16<<<1056, 256, 0, st>>>((uint4 *)dst, (const uint4 *)src, bytes / 16);
+}
+
+struct Workload {
+    std::string name;
+    std::vector<int64_t> lens;
+};
+
+struct Timing {
+    double pass_ms;       /* median per forward pass */
+    double slot_ms;       /* median per layer: producer end -> consumer start */
+    bool ran_ahead;       /* stream: every pass enqueued all layers before layer 0's KDA ended */
+};
+
+struct Row {
+    int heads;
+    std::string workload, variant;
+    Timing t;
+    double ratio, idle_ms;
+    bool equal;
+};
+
+static double median(std::vector<double> v)
+{
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+/* A kdad of its own on a socket in a temporary folder. */
+struct Daemon {
+    pid_t pid = -1;
+    char dir[64] = "";
+    char sock[128] = "";
+};
+
+static void start_kdad(Daemon &d, const char *path, int heads, int slots)
+{
+    snprintf(d.dir, sizeof d.dir, "/tmp/kdad-layers-XXXXXX");
+    if (!mkdtemp(d.dir))
+        die("mkdtemp", strerror(errno));
+    snprintf(d.sock, sizeof d.sock, "%s/kdad.sock", d.dir);
+    char h[16], s[16];
+    snprintf(h, sizeof h, "%d", heads);
+    snprintf(s, sizeof s, "%d", slots);
+    d.pid = fork();
+    if (d.pid == 0) {
+        execl(path, path, "--backend", "cuda", "--heads", h, "--slots", s, "--socket", d.sock,
+              "--log-level", "warning", (char *)NULL);
+        _exit(127);
+    }
+}
+
+static kdac_client *connect_kdad(const Daemon &d)
+{
+    kdac_options o;
+    kdac_options_init(&o);
+    o.socket_path = d.sock;
+    o.timeout_ms = 120000;
+    kdac_error err;
+    for (int i = 0; i < 1200; i++) {
+        kdac_client *c = nullptr;
+        if (kdac_client_open(&c, &o, &err) == KDAC_OK)
+            return c;
+        int st;
+        if (waitpid(d.pid, &st, WNOHANG) == d.pid)
+            die("kdad exited", err.message);
+        usleep(50000);
+    }
+    die("connecting to kdad", err.message);
+    return nullptr;
+}
+
+static void stop_kdad(Daemon &d)
+{
+    kill(d.pid, SIGTERM);
+    waitpid(d.pid, nullptr, 0);
+    char cmd[96];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", d.dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "bench_layers: could not remove %s\n", d.dir);
+}
+
+/* Responses of the stream variant, counted as they come. */
+struct Answers {
+    int done = 0, failed = 0;
+    char first_error[KDAC_ERRMSG_MAX] = "";
+};
+
+static void on_answer(kdac_client *, void *data, const kdac_result *res, int status)
+{
+    Answers *a = (Answers *)data;
+    a->done++;
+    if (status != KDAC_OK && a->failed++ == 0)
+        snprintf(a->first_error, sizeof a->first_error, "%s", res->error.message);
+}
+
+/* Everything one (H, workload) needs. */
+struct Setup {
+    int H, L, nseq;
+    int64_t T;
+    std::vector<int64_t> lens, cu;
+    size_t tok_bytes, beta_bytes, region_bytes;
+    uint8_t *buf;          /* the IPC region: q k v g out blocks, then beta */
+    uint8_t *src;          /* the producer's source: q k v g beta bytes */
+    uint8_t *resid;        /* the consumer's destination */
+    size_t in_bytes;       /* q k v g beta */
+    uint64_t off_q, off_k, off_v, off_g, off_out, off_beta;
+};
+
+static void make_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
+{
+    s.H = H;
+    s.L = L;
+    s.lens = lens;
+    s.nseq = int(lens.size());
+    s.cu.assign(s.nseq + 1, 0);
+    for (int i = 0; i < s.nseq; i++)
+        s.cu[i + 1] = s.cu[i] + lens[i];
+    s.T = s.cu[s.nseq];
+    s.tok_bytes = size_t(s.T) * H * KDA_HEAD_DIM * 2;
+    s.beta_bytes = size_t(s.T) * H * 2;
+    s.off_q = 0;
+    s.off_k = s.tok_bytes;
+    s.off_v = 2 * s.tok_bytes;
+    s.off_g = 3 * s.tok_bytes;
+    s.off_beta = 4 * s.tok_bytes;              /* inputs contiguous: one producer copy */
+    s.off_out = 4 * s.tok_bytes + (s.beta_bytes + 4095) / 4096 * 4096;
+    s.in_bytes = 4 * s.tok_bytes + s.beta_bytes;
+    s.region_bytes = (s.off_out + s.tok_bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+    CK(cudaMalloc(&s.buf, s.region_bytes));
+    CK(cudaMalloc(&s.src, (s.in_bytes + 15) / 16 * 16));
+    CK(cudaMalloc(&s.resid, s.tok_bytes));
+    /* N(0,1)-ish bf16 inputs from the host, once: never zeros */
+    std::vector<uint16_t> host(s.in_bytes / 2);
+    uint64_t x = 88172645463325252ull;
+    for (size_t i = 0; i < host.size(); i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        float f = float(int64_t(x % 2001) - 1000) / 1000.0f;
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        host[i] = uint16_t(u >> 16);
+    }
+    CK(cudaMemcpy(s.src, host.data(), s.in_bytes, cudaMemcpyHostToDevice));
+    CK(cudaMemset(s.buf, 0, s.region_bytes));
+}
+
+static void free_setup(Setup &s)
+{
+    cudaFree(s.buf);
+    cudaFree(s.src);
+    cudaFree(s.resid);
+}
+
+/* Events of one pass: start, per layer after the producer and before the consumer, stop. */
+struct PassEvents {
+    cudaEvent_t start, stop;
+    std::vector<cudaEvent_t> prod, cons;
+    void init(int L)
+    {
+        CK(cudaEventCreate(&start));
+        CK(cudaEventCreate(&stop));
+        prod.resize(L);
+        cons.resize(L);
+        for (int i = 0; i < L; i++) {
+            CK(cudaEventCreate(&prod[i]));
+            CK(cudaEventCreate(&cons[i]));
+        }
+    }
+    void destroy()
+    {
+        cudaEventDestroy(start);
+        cudaEventDestroy(stop);
+        for (size_t i = 0; i < prod.size(); i++) {
+            cudaEventDestroy(prod[i]);
+            cudaEventDestroy(cons[i]);
+        }
+    }
+    /* pass ms, and each layer's slot into slots */
+    double read(std::vector<double> &slots)
+    {
+        float ms;
+        CK(cudaEventElapsedTime(&ms, start, stop));
+        for (size_t i = 0; i < prod.size(); i++) {
+            float sl;
+            CK(cudaEventElapsedTime(&sl, prod[i], cons[i]));
+            slots.push_back(sl);
+        }
+        return ms;
+    }
+};
+
+static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
+{
+    kda_cuda *cu;
+    kda_error err;
+    if (kda_cuda_create(0, &cu, &err) != KDA_OK)
+        die("kda_cuda_create", err.msg);
+    const int H = s.H, L = s.L, N = s.nseq;
+    float *a_log, *dt_bias;
+    CK(cudaMalloc(&a_log, sizeof(float) * H));
+    CK(cudaMalloc(&dt_bias, sizeof(float) * H * KDA_HEAD_DIM));
+    std::vector<float> ha(H, 0.5f), hd(size_t(H) * KDA_HEAD_DIM, 0.25f);
+    CK(cudaMemcpy(a_log, ha.data(), ha.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dt_bias, hd.data(), hd.size() * 4, cudaMemcpyHostToDevice));
+    kda_layer layer = {a_log, dt_bias, -5.0f, 0.08838834764831845f};
+    kda_layer *dlayer;
+    CK(cudaMalloc(&dlayer, sizeof layer));
+    CK(cudaMemcpy(dlayer, &layer, sizeof layer, cudaMemcpyHostToDevice));
+    kda_pool pool = {nullptr, KDA_DTYPE_F32, H, int64_t(L) * N};
+    CK(cudaMalloc(&pool.state, size_t(L) * N * kda_slot_elems(H) * 4));
+    /* one descriptor table per layer (its own slots), FRESH sequences */
+    std::vector<kda_seq *> tables(L);
+    int32_t *dn;
+    CK(cudaMalloc(&dn, sizeof(int32_t)));
+    CK(cudaMemcpy(dn, &N, sizeof N, cudaMemcpyHostToDevice));
+    uint8_t *b = s.buf;
+    for (int l = 0; l < L; l++) {
+        std::vector<int64_t> slots(N);
+        for (int j = 0; j < N; j++)
+            slots[j] = int64_t(l) * N + j;
+        std::vector<kda_seq> seqs(N);
+        if (kda_seqs_from_packed(seqs.data(), N, H, s.cu.data(), s.T, slots.data(), (uint16_t *)(b + s.off_q),
+                                 (uint16_t *)(b + s.off_k), (uint16_t *)(b + s.off_v), (uint16_t *)(b + s.off_g),
+                                 (uint16_t *)(b + s.off_beta), (uint16_t *)(b + s.off_out), dlayer,
+                                 &err) != KDA_OK ||
+            kda_cuda_batch_check(&pool, seqs.data(), N, &err) != KDA_OK)
+            die("descriptors", err.msg);
+        for (kda_seq &q : seqs)
+            q.flags = KDA_SEQ_ZERO_STATE;
+        CK(cudaMalloc(&tables[l], sizeof(kda_seq) * N));
+        CK(cudaMemcpy(tables[l], seqs.data(), sizeof(kda_seq) * N, cudaMemcpyHostToDevice));
+    }
+    PassEvents ev;
+    ev.init(L);
+    std::vector<double> pass_ms, slots;
+    for (int p = -1; p < passes; p++) { /* pass -1 warms up */
+        CK(cudaEventRecord(ev.start, st));
+        for (int l = 0; l < L; l++) {
+            copy_async(b, s.src, s.in_bytes, st);
+            CK(cudaEventRecord(ev.prod[l], st));
+            if (kda_cuda_prefill(cu, &pool, tables[l], dn, N, st, &err) != KDA_OK)
+                die("kda_cuda_prefill", err.msg);
+            CK(cudaEventRecord(ev.cons[l], st));
+            copy_async(s.resid, b + s.off_out, s.tok_bytes, st);
+        }
+        CK(cudaEventRecord(ev.stop, st));
+        CK(cudaEventSynchronize(ev.stop));
+        std::vector<double> sl;
+        double ms = ev.read(sl);
+        if (p >= 0) {
+            pass_ms.push_back(ms);
+            slots.insert(slots.end(), sl.begin(), sl.end());
+        }
+    }
+    last_out.resize(s.tok_bytes / 2);
+    CK(cudaMemcpy(last_out.data(), b + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
+    ev.destroy();
+    for (kda_seq *t : tables)
+        cudaFree(t);
+    cudaFree(dn);
+    cudaFree(pool.state);
+    cudaFree(dlayer);
+    cudaFree(a_log);
+    cudaFree(dt_bias);
+    kda_cuda_destroy(cu);
+    return {median(pass_ms), median(slots), false};
+}
+
+/* What both kdad variants share: the layer, the slots, the regions. */
+struct Kdad {
+    kdac_client *c;
+    uint32_t region, sem_region;
+    kdac_shm sems;
+    uint64_t sem_dev;
+    std::vector<uint64_t> slots; /* L x nseq */
+};
+
+static void kdad_setup(Kdad &k, kdac_client *c, Setup &s)
+{
+    kdac_error err;
+    k.c = c;
+    std::vector<float> ha(s.H, 0.5f), hd(size_t(s.H) * KDA_HEAD_DIM, 0.25f);
+    kdac_layer layer = {"bench.kda", ha.data(), hd.data(), -5.0f, KDAC_DEFAULT_SCALE};
+    if (kdac_layer_register(c, &layer, nullptr, &err) != KDAC_OK)
+        die("layer.register", err.message);
+    k.slots.resize(size_t(s.L) * s.nseq);
+    if (kdac_slot_alloc(c, uint32_t(k.slots.size()), KDAC_SLOT_ALLOC_EMPTY, k.slots.data(), &err) != KDAC_OK)
+        die("slot.alloc", err.message);
+    cudaIpcMemHandle_t h;
+    CK(cudaIpcGetMemHandle(&h, s.buf));
+    if (kdac_region_register_cuda(c, &h, s.region_bytes, nullptr, &k.region, &err) != KDAC_OK)
+        die("region.register_cuda", err.message);
+    if (kdac_shm_create(&k.sems, 4096, "layers", &err) != KDAC_OK ||
+        kdac_region_register_shm(c, k.sems.fd, k.sems.size, &k.sem_region, &err) != KDAC_OK ||
+        kdac_shm_map_device(&k.sems, &k.sem_dev, &err) != KDAC_OK)
+        die("semaphore region", err.message);
+}
+
+static void kdad_teardown(Kdad &k)
+{
+    kdac_error err;
+    kdac_slot_free(k.c, k.slots.data(), uint32_t(k.slots.size()), &err);
+    kdac_region_release(k.c, k.region, &err);
+    kdac_shm_unmap_device(&k.sems);
+    kdac_region_release(k.c, k.sem_region, &err);
+    kdac_shm_close(&k.sems);
+    kdac_layer_drop(k.c, "bench.kda", &err);
+}
+
+static std::vector<kdac_seq> layer_seqs(const Kdad &k, const Setup &s, int l)
+{
+    std::vector<kdac_seq> v(s.nseq);
+    for (int j = 0; j < s.nseq; j++) {
+        kdac_seq &q = v[j];
+        memset(&q, 0, sizeof q);
+        q.slot = k.slots[size_t(l) * s.nseq + j];
+        q.len = uint32_t(s.lens[j]);
+        q.flags = KDAC_SEQ_FRESH;
+        uint64_t t = uint64_t(s.cu[j]) * s.H * KDA_HEAD_DIM * 2, bt = uint64_t(s.cu[j]) * s.H * 2;
+        q.q = kdac_tensor_region(k.region, s.off_q + t);
+        q.k = kdac_tensor_region(k.region, s.off_k + t);
+        q.v = kdac_tensor_region(k.region, s.off_v + t);
+        q.g = kdac_tensor_region(k.region, s.off_g + t);
+        q.beta = kdac_tensor_region(k.region, s.off_beta + bt);
+        q.out = kdac_output_region(k.region, s.off_out + t);
+    }
+    return v;
+}
+
+static Timing kdad_sync(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
+{
+    const int L = s.L;
+    std::vector<std::vector<kdac_seq>> seqs(L);
+    for (int l = 0; l < L; l++)
+        seqs[l] = layer_seqs(k, s, l);
+    PassEvents ev;
+    ev.init(L);
+    std::vector<double> pass_ms, slots;
+    kdac_error err;
+    for (int p = -1; p < passes; p++) {
+        CK(cudaEventRecord(ev.start, st));
+        for (int l = 0; l < L; l++) {
+            copy_async(s.buf, s.src, s.in_bytes, st);
+            CK(cudaEventRecord(ev.prod[l], st));
+            CK(cudaStreamSynchronize(st)); /* rule 1: the inputs are written */
+            if (kdac_prefill(k.c, "bench.kda", seqs[l].data(), uint32_t(s.nseq), nullptr, &err) != KDAC_OK)
+                die("prefill", err.message);
+            CK(cudaEventRecord(ev.cons[l], st)); /* rule 3: the response is in */
+            copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
+        }
+        CK(cudaEventRecord(ev.stop, st));
+        CK(cudaEventSynchronize(ev.stop));
+        std::vector<double> sl;
+        double ms = ev.read(sl);
+        if (p >= 0) {
+            pass_ms.push_back(ms);
+            slots.insert(slots.end(), sl.begin(), sl.end());
+        }
+    }
+    last_out.resize(s.tok_bytes / 2);
+    CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
+    ev.destroy();
+    return {median(pass_ms), median(slots), false};
+}
+
+/* Drives the client until ev completes (a failed request releases its wait, so it does). */
+static void drive_until(kdac_client *c, cudaEvent_t ev)
+{
+    while (cudaEventQuery(ev) == cudaErrorNotReady) {
+        struct pollfd p = {kdac_client_fd(c), POLLIN, 0};
+        if (kdac_client_events(c) & KDAC_WRITABLE)
+            p.events |= POLLOUT;
+        poll(&p, 1, 0);
+        kdac_client_progress(c);
+    }
+    CK(cudaEventSynchronize(ev));
+}
+
+static Timing kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
+{
+    const int L = s.L;
+    std::vector<std::vector<kdac_seq>> seqs(L);
+    for (int l = 0; l < L; l++)
+        seqs[l] = layer_seqs(k, s, l);
+    memset(k.sems.base, 0, k.sems.size);
+    PassEvents ev;
+    ev.init(L);
+    std::vector<double> pass_ms, slots;
+    bool ran_ahead = true;
+    kdac_error err;
+    Answers ans;
+    int sent = 0;
+    for (int p = -1; p < passes; p++) {
+        uint64_t value = uint64_t(p + 2); /* rises every pass: each layer's words are fresh */
+        CK(cudaEventRecord(ev.start, st));
+        for (int l = 0; l < L; l++) {
+            copy_async(s.buf, s.src, s.in_bytes, st);
+            CK(cudaEventRecord(ev.prod[l], st));
+            uint64_t off = 16u * uint64_t(l);
+            kdac_sem ready = {k.sem_region, off, value, (uint8_t *)k.sems.base + off, k.sem_dev + off};
+            kdac_sem done = {k.sem_region, off + 8, value, (uint8_t *)k.sems.base + off + 8,
+                             k.sem_dev + off + 8};
+            if (kdac_prefill_on_stream(k.c, st, "bench.kda", seqs[l].data(), uint32_t(s.nseq), &ready, &done,
+                                       on_answer, &ans, &err) != KDAC_OK)
+                die("prefill on stream", err.message);
+            sent++;
+            CK(cudaEventRecord(ev.cons[l], st));
+            copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
+        }
+        CK(cudaEventRecord(ev.stop, st));
+        if (p >= 0 && cudaEventQuery(ev.cons[0]) != cudaErrorNotReady)
+            ran_ahead = false;
+        drive_until(k.c, ev.stop);
+        std::vector<double> sl;
+        double ms = ev.read(sl);
+        if (p >= 0) {
+            pass_ms.push_back(ms);
+            slots.insert(slots.end(), sl.begin(), sl.end());
+        }
+    }
+    while (ans.done < sent) {
+        struct pollfd pf = {kdac_client_fd(k.c), POLLIN, 0};
+        poll(&pf, 1, 100);
+        if (kdac_client_progress(k.c) != KDAC_OK)
+            break;
+    }
+    if (ans.failed)
+        die("a stream-ordered prefill failed", ans.first_error);
+    last_out.resize(s.tok_bytes / 2);
+    CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
+    ev.destroy();
+    return {median(pass_ms), median(slots), ran_ahead};
+}
+
+int main(int argc, char **argv)
+{
+    const char *kdad = nullptr, *json = nullptr;
+    int L = 20, passes = 10;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--kdad") && i + 1 < argc)
+            kdad = argv[++i];
+        else if (!strcmp(argv[i], "--layers") && i + 1 < argc)
+            L = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--passes") && i + 1 < argc)
+            passes = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--json") && i + 1 < argc)
+            json = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s --kdad PATH [--layers N] [--passes N] [--json FILE]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (!kdad || L < 1 || L > 200 || passes < 1)
+        die("arguments", "--kdad PATH is required; 1 <= layers <= 200; passes >= 1");
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        fprintf(stderr, "bench_layers: no GPU\n");
+        return 77;
+    }
+    const std::vector<Workload> workloads = {
+        {"8192 x 1", {8192}},
+        {"mix of 8", {2048, 1536, 1280, 1024, 768, 640, 512, 384}},
+    };
+    std::vector<Row> rows;
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (int H : {32, 96}) {
+        Daemon d;
+        start_kdad(d, kdad, H, 256);
+        kdac_client *c = connect_kdad(d);
+        for (const Workload &w : workloads) {
+            Setup s;
+            make_setup(s, H, L, w.lens);
+            std::vector<uint16_t> o_in, o_sync, o_stream;
+            Timing ti = inproc(s, passes, st, o_in);
+            Kdad k;
+            kdad_setup(k, c, s);
+            Timing ts = kdad_sync(k, s, passes, st, o_sync);
+            Timing tst = kdad_stream(k, s, passes, st, o_stream);
+            kdad_teardown(k);
+            free_setup(s);
+            rows.push_back({H, w.name, "inproc", ti, 1.0, 0.0, true});
+            rows.push_back({H, w.name, "sync", ts, ts.pass_ms / ti.pass_ms, ts.slot_ms - ti.slot_ms, o_sync == o_in});
+            rows.push_back({H, w.name, "stream", tst, tst.pass_ms / ti.pass_ms, tst.slot_ms - ti.slot_ms,
+                            o_stream == o_in});
+            fprintf(stderr, "H%d %s: inproc %.3f ms, sync %.3f ms, stream %.3f ms per pass\n", H, w.name.c_str(),
+                    ti.pass_ms, ts.pass_ms, tst.pass_ms);
+        }
+        kdac_client_close(c);
+        stop_kdad(d);
+    }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("\nlayer loop on %s: %d layers (producer copy, KDA, consumer copy) per forward pass, median of %d "
+           "passes; slot = producer end -> consumer start per layer (median), idle = slot - inproc slot\n",
+           prop.name, L, passes);
+    printf("%-4s %-9s %-7s %10s %8s %9s %9s %8s %10s\n", "H", "workload", "variant", "pass ms", "ratio",
+           "slot ms", "idle ms", "out ==", "ran ahead");
+    for (const Row &r : rows)
+        printf("%-4d %-9s %-7s %10.3f %7.3fx %9.3f %9.3f %8s %10s\n", r.heads, r.workload.c_str(),
+               r.variant.c_str(), r.t.pass_ms, r.ratio, r.t.slot_ms, r.idle_ms, r.equal ? "yes" : "NO",
+               r.variant == "stream" ? (r.t.ran_ahead ? "yes" : "no") : "-");
+    if (json) {
+        FILE *f = fopen(json, "w");
+        if (!f)
+            die(json, strerror(errno));
+        fprintf(f, "[\n");
+        for (size_t i = 0; i < rows.size(); i++) {
+            const Row &r = rows[i];
+            fprintf(f,
+                    "  {\"bench\": \"layers\", \"heads\": %d, \"workload\": \"%s\", \"variant\": \"%s\", "
+                    "\"layers\": %d, \"pass_ms\": %.4f, \"ratio_to_inproc\": %.4f, \"slot_ms\": %.4f, "
+                    "\"idle_ms_per_layer\": %.4f, \"out_equal\": %s, \"ran_ahead\": %s}%s\n",
+                    r.heads, r.workload.c_str(), r.variant.c_str(), L, r.t.pass_ms, r.ratio, r.t.slot_ms, r.idle_ms,
+                    r.equal ? "true" : "false", r.t.ran_ahead ? "true" : "false", i + 1 < rows.size() ? "," : "");
+        }
+        fprintf(f, "]\n");
+        fclose(f);
+    }
+    cudaStreamDestroy(st);
+    return 0;
+}
