@@ -75,7 +75,7 @@ static void do_hello(kd_req *r)
     res.geometry = c->session.geometry;
     res.transports = transports(d);
     res.slots_persist = d->cfg.slots_persist;
-    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS};
+    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS, KP_FEATURE_STEP};
     res.features = features;
     res.nfeatures = sizeof(features) / sizeof(features[0]);
     res.limits = c->session.limits;
@@ -467,6 +467,7 @@ static void route(kd_req *r)
     case KP_METHOD_REGION_RELEASE: do_region_release(r); break;
     case KP_METHOD_RING_ATTACH: do_ring_attach(r); break;
     case KP_METHOD_PREFILL:
+    case KP_METHOD_STEP:
     case KP_METHOD_SLOT_FREE:
     case KP_METHOD_SLOT_RESET:
     case KP_METHOD_SLOT_FORK:
