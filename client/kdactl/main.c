@@ -26,6 +26,7 @@ static const command commands[] = {
     {"slot", cmd_slot, "alloc, free, reset, fork, save, load, info of state slots"},
     {"prefill", cmd_prefill, "run a prefill from a golden-format file or random inputs"},
     {"bench", cmd_bench, "load generator: concurrent clients, latency and throughput"},
+    {"step", cmd_step, "run a decode step (many sequences, a few tokens each)"},
 };
 #define NCOMMANDS (sizeof(commands) / sizeof(commands[0]))
 
