@@ -496,7 +496,7 @@ static void test_step_refusals(void **unused)
     dh_connect(&other, &d);
     dh_hello(&other);
     dh_seq s;
-    dh_seq_make(&s, &r, 4);
+    dh_seq_make(&s, &r, 5);
     uint64_t a = dh_alloc(&c), b = dh_alloc(&c), theirs = dh_alloc(&other);
     step_req q = {.n = 2, .s = &s};
     q.lens[0] = q.lens[1] = 2;
@@ -620,11 +620,17 @@ static void test_step_admission_cost(void **unused)
     kp_stats_result st;
     dh_stats(&c, &st);
     printf("  batch phases p50:");
-    for (uint32_t i = 0; i < st.nphases; i++)
+    uint64_t form = UINT64_MAX;
+    for (uint32_t i = 0; i < st.nphases; i++) {
         printf(" %s %llu", st.phases[i].name, (unsigned long long)st.phases[i].p50_us);
+        if (strcmp(st.phases[i].name, "form") == 0)
+            form = st.phases[i].p50_us;
+    }
     printf(" (us)\n");
-    /* a loose bound (shared CI machines, sanitizers): per sequence well under 20 us */
-    assert_true(host[ROUNDS / 2] < 20u * N);
+    /* Loose bounds (shared CI machines, sanitizers: ~1 us per sequence under
+     * ASan): the per-sequence work on the loop stays a few loads and stores. */
+    assert_true(form < 4u * N);
+    assert_true(host[ROUNDS / 2] < 100u * N);
     free(q);
     dh_seq_free(&s);
     finish(&d, &c);

@@ -386,9 +386,10 @@ int cmd_bench_decode(ctl *g, int argc, char **argv)
     static const uint32_t need[] = {KDAC_TRANSPORT_INLINE, KDAC_TRANSPORT_SHM,
                                     KDAC_TRANSPORT_CUDA_IPC, KDAC_TRANSPORT_CUDA_IPC};
     if (!(info->transports & need[o.transport])) {
+        rc = ctl_error(g, EXIT_UNSUPPORTED, "the daemon (backend %s) does not offer this "
+                       "transport", info->backend);
         kdac_client_close(c);
-        return ctl_error(g, EXIT_UNSUPPORTED, "the daemon (backend %s) does not offer this "
-                         "transport", info->backend);
+        return rc;
     }
     if (kdac_client_set_spin(c, (int)o.spin_us, &err)) {
         kdac_client_close(c);
