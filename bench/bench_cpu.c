@@ -4,7 +4,7 @@
  *   bench_cpu [--heads H] [--tokens T] [--seqs N] [--threads N] [--reps R] [--json]
  *
  * Default: H = 96, one sequence of 8192 tokens (92.6 GFLOP of the chunked
- * algorithm at C = 16, KDA.md).  Prints the median of R runs, tokens/s and
+ * algorithm at C = 16, docs/kda.md).  Prints the median of R runs, tokens/s and
  * GFLOP/s; inputs are random N(0,1) bf16, never zeros.
  */
 #include <stdio.h>
@@ -101,7 +101,7 @@ int main(int argc, char **argv)
     }
     qsort(times, reps, sizeof *times, cmp_double);
     double med = times[reps / 2];
-    double gflop = 117760.0 * (double)tokens * heads / 1e9;   /* KDA.md: per token per head at C = 16 */
+    double gflop = 117760.0 * (double)tokens * heads / 1e9;   /* docs/kda.md: per token per head at C = 16 */
     if (json)
         printf("{\"heads\": %d, \"tokens\": %ld, \"seqs\": %d, \"threads\": %d, \"s\": %.4f, "
                "\"tokens_per_s\": %.0f, \"gflop_s\": %.1f}\n",

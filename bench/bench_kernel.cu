@@ -2,7 +2,8 @@
  * bench_kernel.cu - times the fused kernel on the standard workloads of
  * PERF-ANCHORS.md and the H = 96 length sweep.
  *
- *   bench_kernel [--reps N] [--json FILE] [--only NAME] [--decode]
+ *   bench_kernel [--reps N] [--json FILE] [--only NAME]... [--pairing off] [--split off|always]
+ *                [--decode] [--step-warps 4|8]
  *
  * --decode runs only the decode-step rows (kda_cuda_step; run_decode);
  * --step-warps launches the step kernel with that many warps per CTA.
@@ -12,7 +13,8 @@
  * one correctness check against the float64 oracle; 3 warm-up launches; then
  * N timed launches, each after a 512 MiB write that evicts the L2, timed with
  * CUDA events; the median is reported.  Prints one table and writes the same
- * as a JSON array.
+ * as a JSON array.  The few-chain rows (H8, H32) take their FlashKDA times
+ * from the daemon's measurement (kernel time through kdad, no L2 flush).
  */
 #include <algorithm>
 #include <math.h>
@@ -55,6 +57,10 @@ static std::vector<Workload> workloads()
         {"H96 fixed 32768", 96, {32768}, 5.49, 10.47},
         {"H96 4x8192", 96, std::vector<int64_t>(4, 8192), 4.97, 10.06},
         {"H96 uniform 64x1024", 96, std::vector<int64_t>(64, 1024), 0.0, 0.0},   /* the e2e throughput batch */
+        {"H8 fixed 131072", 8, {131072}, 12.78, 0.0},   /* few chains, long: the split path */
+        {"H8 fixed 32768", 8, {32768}, 3.247, 1.99},
+        {"H32 fixed 131072", 32, {131072}, 15.29, 0.0},
+        {"H32 fixed 8192", 32, {8192}, 1.057, 0.0},
     };
 }
 
@@ -350,7 +356,9 @@ int main(int argc, char **argv)
 {
     int reps = 50;
     kda_cuda_pairing pairing = KDA_CUDA_PAIRING_AUTO;
-    const char *json = nullptr, *only = nullptr;
+    kda_cuda_split split = KDA_CUDA_SPLIT_AUTO;
+    const char *json = nullptr;
+    std::vector<std::string> only;
     bool decode_only = false;
     int step_warps = 0;
     for (int i = 1; i < argc; i++) {
@@ -359,7 +367,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--json") && i + 1 < argc)
             json = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
-            only = argv[++i];
+            only.push_back(argv[++i]);
         else if (!strcmp(argv[i], "--decode"))
             decode_only = true;
         else if (!strcmp(argv[i], "--step-warps") && i + 1 < argc && (atoi(argv[i + 1]) == 4 || atoi(argv[i + 1]) == 8))
@@ -367,8 +375,12 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--pairing") && i + 1 < argc && !strcmp(argv[i + 1], "off")) {
             pairing = KDA_CUDA_PAIRING_OFF;
             i++;
+        } else if (!strcmp(argv[i], "--split") && i + 1 < argc &&
+                   (!strcmp(argv[i + 1], "off") || !strcmp(argv[i + 1], "always"))) {
+            split = !strcmp(argv[++i], "off") ? KDA_CUDA_SPLIT_OFF : KDA_CUDA_SPLIT_ALWAYS;
         } else {
-            fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME] [--pairing off] [--decode] [--step-warps 4|8]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME]... [--pairing off] [--split off|always]"
+                            " [--decode] [--step-warps 4|8]\n", argv[0]);
             return 2;
         }
     }
@@ -379,23 +391,26 @@ int main(int argc, char **argv)
         return err.code == KDA_ENOTSUP ? 77 : 1;
     }
     kda_cuda_set_pairing(cu, pairing);
+    kda_cuda_set_split(cu, split);
     const size_t flush_bytes = size_t(512) << 20;
     void *flush;
     GPU_CHECK(cudaMalloc(&flush, flush_bytes));
 
     std::vector<Result> results;
     for (const Workload &w : workloads())
-        if (!decode_only && (!only || w.name == only))
+        if (!decode_only && (only.empty() || std::find(only.begin(), only.end(), w.name) != only.end()))
             results.push_back(run(w, cu, reps, flush, flush_bytes));
     std::vector<DecodeResult> decode_results;
     for (const DecodeWorkload &w : decode_workloads())
-        if (!only || w.name == only)
+        if (only.empty() || std::find(only.begin(), only.end(), w.name) != only.end())
             decode_results.push_back(run_decode(w, cu, reps, flush, flush_bytes, step_warps));
 
     printf("\nkdad fused KDA kernel on %s (%d SMs), fp32 state pool, median of %d launches, L2 flushed; "
-           "chains paired (a cluster of two CTAs each) %s\n",
+           "chains paired (a cluster of two CTAs each) %s; long chains cut %s\n",
            kda_cuda_device_name(cu), kda_cuda_sm_count(cu), reps,
-           pairing == KDA_CUDA_PAIRING_OFF ? "never" : "up to the GPU's clusters at once");
+           pairing == KDA_CUDA_PAIRING_OFF ? "never" : "up to the GPU's clusters at once",
+           split == KDA_CUDA_SPLIT_OFF ? "never" : split == KDA_CUDA_SPLIT_ALWAYS ? "whenever two segments fit"
+                                                                                 : "when few and long");
     printf("%-20s %9s %9s %11s %9s %9s %9s %9s %9s\n", "workload", "ms", "Mtok/s", "FlashKDA ms", "speedup",
            "floor ms", "% floor", "out err", "state err");
     for (const Result &r : results)

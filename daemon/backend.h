@@ -150,6 +150,7 @@ typedef struct kd_backend_info {
     char gpu_name[KP_TEXT_MAX];
     char gpu_uuid[64];          /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
     uint32_t gpu_index;
+    char gpu_pci_bus_id[32];    /* "0000:19:00.0" (lower case, as nvidia-smi prints it) */
     uint32_t transports;        /* KP_TRANSPORT_* the backend can serve */
     uint32_t depth;             /* batches it takes at once (2: double-buffered) */
     bool stages_host;           /* host-only buffers are staged (kd_job_cost.stage_*) */
@@ -175,7 +176,7 @@ struct kd_backend {
 
 typedef struct kd_backend_config {
     kd_backend_kind kind;    /* config.h */
-    uint32_t device;         /* cuda ordinal */
+    const char *device;      /* cuda: an ordinal "N", or a GPU UUID or a unique prefix of one */
     kd_cuda_completion completion; /* cuda: how batch completion is learnt */
     uint32_t cpu_threads;    /* 0: one per CPU */
     uint32_t heads, slots;

@@ -85,6 +85,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include <unistd.h>
 
@@ -1426,12 +1427,62 @@ static void format_uuid(char *out, size_t size, const cudaUUID_t *u)
              b[13], b[14], b[15]);
 }
 
+/* The ordinal of the GPU `spec` names (config `device`): "N", or a GPU UUID
+ * or a prefix of one that exactly one GPU matches (any case).  Ordinals count
+ * the GPUs CUDA_VISIBLE_DEVICES leaves visible; UUIDs name a GPU whatever the
+ * ordering.  KP_E_NOT_SUPPORTED (kdad exits 69) when none matches. */
+static int resolve_device(const char *spec, int *ordinal, char *err, size_t errlen)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        snprintf(err, errlen, "device %s: no CUDA device (%s)", spec,
+                 e != cudaSuccess ? cudaGetErrorString(e) : "none visible");
+        return KP_E_NOT_SUPPORTED;
+    }
+    if (strncmp(spec, "GPU-", 4) != 0) { /* config.c admits digits or a UUID prefix */
+        long v = strtol(spec, NULL, 10);
+        if (v >= n) {
+            snprintf(err, errlen, "device %s: no such GPU (%d visible: ordinals 0..%d)", spec, n,
+                     n - 1);
+            return KP_E_NOT_SUPPORTED;
+        }
+        *ordinal = (int)v;
+        return KP_OK;
+    }
+    char seen[512] = "", uuid[64];
+    int found = -1, matches = 0;
+    for (int i = 0; i < n; i++) {
+        struct cudaDeviceProp prop;
+        if ((e = cudaGetDeviceProperties(&prop, i)) != cudaSuccess)
+            return cuda_err(err, errlen, e, "reading the GPUs' UUIDs");
+        format_uuid(uuid, sizeof(uuid), &prop.uuid);
+        snprintf(seen + strlen(seen), sizeof(seen) - strlen(seen), "%s%d: %s", i ? ", " : "", i,
+                 uuid);
+        if (strncasecmp(uuid, spec, strlen(spec)) == 0) {
+            found = i;
+            matches++;
+        }
+    }
+    if (matches != 1) {
+        snprintf(err, errlen, "device %s: %s (visible: %s)", spec,
+                 matches ? "more than one GPU matches this prefix" : "no GPU has this UUID", seen);
+        return KP_E_NOT_SUPPORTED;
+    }
+    *ordinal = found;
+    return KP_OK;
+}
+
 int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend **out,
                            char *err, size_t errlen)
 {
     kda_cuda *k = NULL;
     kda_error kerr;
-    if (kda_cuda_create((int)cfg->device, &k, &kerr) != KDA_OK) {
+    int device = 0;
+    int rc = resolve_device(cfg->device ? cfg->device : "0", &device, err, errlen);
+    if (rc != KP_OK)
+        return rc;
+    if (kda_cuda_create(device, &k, &kerr) != KDA_OK) {
         snprintf(err, errlen, "%s", kerr.msg);
         return kerr.code == KDA_ENOTSUP ? KP_E_NOT_SUPPORTED : KP_E_INTERNAL;
     }
@@ -1442,7 +1493,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         return KP_E_NO_MEMORY;
     }
     cb->k = k;
-    cb->device = (int)cfg->device;
+    cb->device = device;
     cb->completion = cfg->completion;
     pthread_mutex_init(&cb->mu, NULL);
     pthread_cond_init(&cb->cv, NULL);
@@ -1468,7 +1519,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     cudaError_t e;
     struct cudaDeviceProp prop;
     uint64_t pool_bytes = (uint64_t)cfg->slots * kd_backend_slot_bytes(b);
-    int rc = KP_E_INTERNAL;
+    rc = KP_E_INTERNAL;
     if ((e = cudaGetDeviceProperties(&prop, cb->device)) ||
         (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) ||
         (e = cudaStreamCreateWithFlags(&cb->h2d, cudaStreamNonBlocking)) ||
@@ -1521,7 +1572,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         .kind = KP_BACKEND_CUDA,
         .name = "cuda",
         .has_gpu = true,
-        .gpu_index = cfg->device,
+        .gpu_index = (uint32_t)device,
         .transports = KP_TRANSPORT_INLINE | KP_TRANSPORT_SHM | KP_TRANSPORT_CUDA_IPC,
         .depth = KD_CUDA_DEPTH,
         .stages_host = true,
@@ -1532,6 +1583,9 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     };
     snprintf(b->info.gpu_name, sizeof(b->info.gpu_name), "%s", prop.name);
     format_uuid(b->info.gpu_uuid, sizeof(b->info.gpu_uuid), &prop.uuid);
+    /* "0000:19:00.0": the bus id nvidia-smi and the kernel print (in lower case) */
+    snprintf(b->info.gpu_pci_bus_id, sizeof(b->info.gpu_pci_bus_id), "%04x:%02x:%02x.0",
+             (unsigned)prop.pciDomainID, (unsigned)prop.pciBusID, (unsigned)prop.pciDeviceID);
 
     if (pthread_create(&cb->waiter, NULL, waiter_main, cb) != 0) {
         snprintf(err, errlen, "cannot start the completion thread");
@@ -1544,11 +1598,12 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     uv_idle_init(loop, &cb->spin);
     cb->spin.data = cb;
     cb->handles_open = 2;
-    KD_INFO("backend cuda: %s (%s, %d SMs), pool of %u slots x %u heads (%s, %llu MiB), "
-            "%u graph buckets up to %u sequences, staging 2 x %llu MiB each way, completion %s",
-            prop.name, b->info.gpu_uuid, kda_cuda_sm_count(k), cfg->slots, cfg->heads,
-            cfg->dtype == KDA_DTYPE_F32 ? "f32" : "bf16", (unsigned long long)(pool_bytes >> 20),
-            cb->nbuckets, max_seqs, (unsigned long long)(cb->stage_bytes >> 20),
+    KD_INFO("backend cuda: %s (device %d, %s, PCI %s, %d SMs), pool of %u slots x %u heads "
+            "(%s, %llu MiB), %u graph buckets up to %u sequences, staging 2 x %llu MiB each way, "
+            "completion %s",
+            prop.name, device, b->info.gpu_uuid, b->info.gpu_pci_bus_id, kda_cuda_sm_count(k),
+            cfg->slots, cfg->heads, cfg->dtype == KDA_DTYPE_F32 ? "f32" : "bf16",
+            (unsigned long long)(pool_bytes >> 20), cb->nbuckets, max_seqs, (unsigned long long)(cb->stage_bytes >> 20),
             cb->completion == KD_CUDA_COMPLETION_BLOCK ? "block" : "poll");
     *out = b;
     return KP_OK;

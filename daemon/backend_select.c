@@ -25,7 +25,7 @@ int kd_backend_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_backend_
         if (rc != KP_OK && cfg->kind == KD_BACKEND_CUDA)
             return rc;
         if (rc != KP_OK)
-            KD_INFO("backend auto: cuda unavailable (%s); using cpu", err);
+            KD_INFO("backend auto: CPU backend chosen (%s)", err);
     }
     if (rc != KP_OK && (rc = kd_backend_cpu_create(loop, cfg, out, err, errlen)) != KP_OK)
         return rc;

@@ -99,7 +99,7 @@ kd_client *kd_client_new(kd_daemon *d, int fd, const kd_peer *peer)
     cl->serial = ++d->next_serial;
     cl->peer = *peer;
     cl->refs = 1;
-    kd_regions_init(&cl->regions);
+    kd_regions_init(&cl->regions, &d->quota, peer->uid);
     cl->conn = kd_conn_new(&d->net, fd, cl->serial, cl);
     if (!cl->conn) {
         free(cl);
@@ -120,12 +120,25 @@ kd_client *kd_client_new(kd_daemon *d, int fd, const kd_peer *peer)
     return cl;
 }
 
+static void set_held(bool *flag, uint32_t *count, bool held)
+{
+    if (*flag != held) {
+        *flag = held;
+        if (held)
+            (*count)++;
+        else
+            (*count)--;
+    }
+}
+
 void kd_client_closed(kd_client *cl, kd_disconnect reason)
 {
     kd_daemon *d = cl->d;
     KD_DEBUG("conn %llu: closing (%s)", (unsigned long long)cl->serial,
              kd_disconnect_name(reason));
     cl->closing = true;
+    set_held(&cl->partial_held, &d->partial_held, false);
+    set_held(&cl->output_held, &d->output_held, false);
     d->stats.disconnects[reason]++;
     if (cl->uid_counted)
         kd_quota_disconnect(&d->quota, cl->peer.uid);
@@ -179,17 +192,109 @@ bool kd_client_id_in_flight(const kd_client *cl, uint32_t id)
     return false;
 }
 
-/* Backpressure: reading goes on only below both in-flight limits. */
+/* Backpressure: reading goes on only below both in-flight limits, and while
+ * the uid's frames still arriving and its unread output are within bounds. */
 static void steer(kd_client *cl)
 {
-    if (!cl->conn)
+    if (!cl->conn || cl->closing)
         return;
     const kp_limits *l = kd_client_limits(cl);
-    if (cl->inflight < l->max_inflight_requests && cl->inflight_bytes < l->max_inflight_bytes)
+    if (cl->inflight < l->max_inflight_requests && cl->inflight_bytes < l->max_inflight_bytes &&
+        !cl->partial_held && !cl->output_held)
         kd_conn_resume(cl->conn);
     else
         kd_conn_pause(cl->conn);
 }
+
+/* Whether cl holds the oldest frame in progress of its uid: that one is
+ * always read on, so that the uid's frames cannot all wait for each other. */
+static bool oldest_frame(const kd_client *cl)
+{
+    uint64_t mine = cl->conn->frame_start_ns;
+    for (const kd_client *o = cl->d->clients; o; o = o->next) {
+        if (o != cl && o->conn && !o->closing && o->peer.uid == cl->peer.uid &&
+            o->conn->frame_start_ns && o->conn->frame_start_ns < mine)
+            return false;
+    }
+    return true;
+}
+
+static bool partial_ok(const kd_client *cl)
+{
+    const kd_daemon *d = cl->d;
+    kd_uid_use u = kd_quota_use(&d->quota, cl->peer.uid);
+    return (u.partial_bytes <= d->cfg.max_inflight_bytes_per_uid &&
+            d->quota.partial_bytes <= d->cfg.max_inflight_bytes_total) ||
+           oldest_frame(cl);
+}
+
+/* Within the bounds, or cl has read all its own output: only the
+ * connections that leave answers unread wait. */
+static bool output_ok(const kd_client *cl)
+{
+    const kd_daemon *d = cl->d;
+    return (cl->conn && cl->conn->out_bytes == 0) ||
+           kd_quota_output_ok(&d->quota, cl->peer.uid, d->cfg.max_output_bytes_per_uid,
+                              d->cfg.max_output_bytes_total);
+}
+
+/* Bytes went back: held clients whose bounds are met read again. */
+static void review(kd_daemon *d)
+{
+    for (kd_client *o = d->clients; o && (d->partial_held || d->output_held); o = o->next) {
+        if (!o->conn || o->closing)
+            continue;
+        bool changed = false;
+        if (o->partial_held && partial_ok(o)) {
+            set_held(&o->partial_held, &d->partial_held, false);
+            changed = true;
+        }
+        if (o->output_held && output_ok(o)) {
+            set_held(&o->output_held, &d->output_held, false);
+            changed = true;
+        }
+        if (changed)
+            steer(o);
+    }
+}
+
+void kd_client_partial(kd_client *cl, int64_t delta)
+{
+    kd_daemon *d = cl->d;
+    kd_quota_partial(&d->quota, cl->peer.uid, delta);
+    if (delta < 0) {
+        if (d->partial_held)
+            review(d);
+        return;
+    }
+    if (!cl->conn || cl->closing || cl->partial_held || partial_ok(cl))
+        return;
+    KD_INFO("conn %llu: frames still arriving from uid %u exceed "
+            "clients.max_inflight_bytes_per_uid or _total; reading waits",
+            (unsigned long long)cl->serial, (unsigned)cl->peer.uid);
+    set_held(&cl->partial_held, &d->partial_held, true);
+    steer(cl);
+}
+
+void kd_client_output(kd_client *cl, int64_t delta)
+{
+    kd_daemon *d = cl->d;
+    kd_quota_output(&d->quota, cl->peer.uid, delta);
+    if (delta < 0) {
+        if (d->output_held)
+            review(d);
+        return;
+    }
+    if (!cl->conn || cl->closing || cl->output_held ||
+        kd_quota_output_ok(&d->quota, cl->peer.uid, d->cfg.max_output_bytes_per_uid,
+                           d->cfg.max_output_bytes_total))
+        return;
+    KD_INFO("conn %llu: unread output of uid %u exceeds clients.max_output_bytes_per_uid or "
+            "_total; reading waits", (unsigned long long)cl->serial, (unsigned)cl->peer.uid);
+    set_held(&cl->output_held, &d->output_held, true);
+    steer(cl);
+}
+
 
 kd_req *kd_req_new(kd_client *cl, uint8_t *body, size_t len, uint64_t arrival_ns)
 {

@@ -69,6 +69,9 @@ struct kd_client {
     uint64_t inflight_bytes;
     uint64_t last_prefill_ns;  /* uv_hrtime() of its last prefill answer (hold.h, gathering) */
 
+    bool partial_held;         /* reading stopped: its uid's frames still arriving are too many */
+    bool output_held;          /* reading stopped: its uid's unread output is too much */
+
     kd_regions regions;
     kd_region *ring_region;    /* the region holding its frame ring (one reference) */
     kd_sched_group group;      /* fairness in batch formation */
@@ -90,6 +93,12 @@ kd_client *kd_client_new(kd_daemon *d, int fd, const kd_peer *peer);
 void kd_client_closed(kd_client *cl, kd_disconnect reason);
 /* The connection is gone: cl lives on while requests remain. */
 void kd_client_conn_freed(kd_client *cl);
+/* The transport's accounting: bytes held for cl's frame still arriving, and
+ * its unread output, both counted for its uid (quota.h).  Beyond the
+ * bounds cl stops reading; it reads again once they are met. */
+void kd_client_partial(kd_client *cl, int64_t delta);
+void kd_client_output(kd_client *cl, int64_t delta);
+
 /* Keeps cl alive across calls that may answer its last request. */
 void kd_client_ref(kd_client *cl);
 void kd_client_unref(kd_client *cl);

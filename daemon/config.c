@@ -9,6 +9,7 @@
  */
 #include "config.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <grp.h>
 #include <limits.h>
@@ -18,6 +19,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <yaml.h>
@@ -28,6 +31,7 @@
 
 typedef enum key_type {
     K_STR,      /* char * */
+    K_DEVICE,   /* char *: a CUDA ordinal in [min, max], or a GPU UUID or a prefix of one */
     K_U32,      /* uint32_t in [min, max] */
     K_SIZE,     /* uint64_t bytes in [min, max]; accepts KiB/MiB/GiB suffixes */
     K_BOOL,     /* bool */
@@ -68,7 +72,7 @@ static const key_spec schema[] = {
     {"access.allowed_gids", K_GID_LIST, OFF(allowed_gids), OFF(nallowed_gids), 0, UINT32_MAX - 1,
      NULL},
     {"backend", K_ENUM, OFF(backend), 0, 0, 0, backend_choices},
-    U32("device", device, 0, 1023),
+    {"device", K_DEVICE, OFF(device), 0, 0, 1023, NULL},
     {"cuda_completion", K_ENUM, OFF(cuda_completion), 0, 0, 0, completion_choices},
     U32("cpu_threads", cpu_threads, 0, 1024),
     U32("heads", heads, 1, KP_MAX_HEADS),
@@ -108,6 +112,13 @@ static const key_spec schema[] = {
     SIZE("clients.output_hard_limit", OFF(output_hard_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     SIZE("clients.output_soft_limit", OFF(output_soft_limit), KP_HELLO_MAX_FRAME_BYTES, 1ull << 40),
     U32("clients.output_soft_seconds", output_soft_seconds, 1, 86400),
+    SIZE("clients.max_output_bytes_per_uid", OFF(max_output_bytes_per_uid), 0, 1ull << 46),
+    SIZE("clients.max_output_bytes_total", OFF(max_output_bytes_total), 0, 1ull << 46),
+    SIZE("clients.max_region_bytes_per_connection", OFF(max_region_bytes_per_connection), 0,
+         1ull << 50),
+    SIZE("clients.max_region_bytes_per_uid", OFF(max_region_bytes_per_uid), 0, 1ull << 50),
+    U32("clients.frame_stall_seconds", frame_stall_seconds, 1, 86400),
+    U32("clients.output_stall_seconds", output_stall_seconds, 1, 86400),
     {"transports.shm", K_BOOL, OFF(transport_shm), 0, 0, 0, NULL},
     {"transports.cuda_ipc", K_BOOL, OFF(transport_cuda_ipc), 0, 0, 0, NULL},
     {"layers", K_LAYERS, OFF(layers), OFF(nlayers), 0, 0, NULL},
@@ -213,12 +224,39 @@ static int set_string(char **slot, const char *s)
     return 0;
 }
 
+/* A device: decimal digits up to max, or "GPU-" and 1..32 hex digits in the
+ * dashed groups of a UUID (as nvidia-smi -L prints them; any case). */
+static bool device_ok(const char *s, uint64_t max)
+{
+    uint64_t v;
+    if (s[0] >= '0' && s[0] <= '9')
+        return parse_uint(s, false, &v) == 0 && v <= max;
+    if (strncmp(s, "GPU-", 4) != 0)
+        return false;
+    size_t hex = 0, len = strlen(s + 4);
+    for (const char *p = s + 4; *p; p++) {
+        if (isxdigit((unsigned char)*p))
+            hex++;
+        else if (*p != '-' || p == s + 4)
+            return false;
+    }
+    return hex >= 1 && hex <= 32 && len <= 36;
+}
+
 /* Sets a scalar key from its text.  m and path label errors. */
 static int set_scalar(kd_config *c, const key_spec *k, const char *s, kd_conf_mark m, cerr *e)
 {
     uint64_t v;
     switch (k->type) {
     case K_STR:
+        if (set_string((char **)((char *)c + k->offset), s))
+            return fail_at(e, m, k->path, "out of memory");
+        return 0;
+    case K_DEVICE:
+        if (!device_ok(s, k->max))
+            return fail_at(e, m, k->path, "\"%s\" is neither a CUDA ordinal in [0, %llu] nor a "
+                           "GPU UUID (GPU-xxxxxxxx-xxxx-..., or a unique prefix of one)", s,
+                           (unsigned long long)k->max);
         if (set_string((char **)((char *)c + k->offset), s))
             return fail_at(e, m, k->path, "out of memory");
         return 0;
@@ -252,6 +290,12 @@ static int set_scalar(kd_config *c, const key_spec *k, const char *s, kd_conf_ma
         return 0;
     }
     case K_ENUM:
+        if (k->choices == dtype_choices) {   /* the usual spellings of the two dtypes */
+            if (!strcasecmp(s, "fp32") || !strcasecmp(s, "float32") || !strcasecmp(s, "F32"))
+                s = "f32";
+            else if (!strcasecmp(s, "bfloat16") || !strcasecmp(s, "BF16"))
+                s = "bf16";
+        }
         for (int i = 0; k->choices[i]; i++) {
             if (k->choices[i][0] && strcmp(s, k->choices[i]) == 0) {
                 *(int *)((char *)c + k->offset) = i;
@@ -697,11 +741,26 @@ static int check(kd_config *c, cerr *e)
         return fail_at(e, mark_of(c, "clients.output_hard_limit"), "clients.output_hard_limit",
                        "%llu is below limits.max_frame_bytes + 4: one response could never be "
                        "sent", (unsigned long long)c->output_hard_limit);
-    if (c->max_inflight_bytes_total == 0) {   /* half of the machine's memory */
-        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-        c->max_inflight_bytes_total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page / 2
-                                                            : KD_FALLBACK_MAX_INFLIGHT_BYTES_TOTAL;
-    }
+    /* 0 in the file: a share of the machine's memory (of the address space
+     * kdad may map, for regions) */
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    const uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page
+                                               : KD_FALLBACK_MEMORY_BYTES;
+    uint64_t mappable = ram;
+    struct rlimit as;
+    if (getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY &&
+        (uint64_t)as.rlim_cur < mappable)
+        mappable = (uint64_t)as.rlim_cur;
+    if (c->max_inflight_bytes_total == 0)
+        c->max_inflight_bytes_total = ram / 2;
+    if (c->max_output_bytes_per_uid == 0)
+        c->max_output_bytes_per_uid = ram / 8;
+    if (c->max_output_bytes_total == 0)
+        c->max_output_bytes_total = ram / 4;
+    if (c->max_region_bytes_per_connection == 0)
+        c->max_region_bytes_per_connection = mappable / 4;
+    if (c->max_region_bytes_per_uid == 0)
+        c->max_region_bytes_per_uid = mappable / 2;
     /* the quotas on unanswered bytes must admit one frame of the largest size */
     const struct { const char *key; uint64_t value; } quotas[] = {
         {"clients.max_inflight_bytes_per_uid", c->max_inflight_bytes_per_uid},
@@ -740,7 +799,7 @@ static int check(kd_config *c, cerr *e)
 void kd_config_free(kd_config *c)
 {
     for (size_t i = 0; i < NKEYS; i++) {
-        if (schema[i].type == K_STR)
+        if (schema[i].type == K_STR || schema[i].type == K_DEVICE)
             free(*(char **)((char *)c + schema[i].offset));
     }
     free(c->allowed_uids);
@@ -878,4 +937,120 @@ const char *kd_config_socket_path(const kd_config *c, char *buf, size_t size)
     else
         snprintf(buf, size, "/run/kdad/kdad.sock");
     return buf;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Printing (kdad --print-config)                                         */
+/* ---------------------------------------------------------------------- */
+
+static void print_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; s && *s; s++) {
+        if (*s == '"' || *s == '\\')
+            fputc('\\', f);
+        fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
+static void print_origin(FILE *f, kd_conf_mark m)
+{
+    if (!m.file || strcmp(m.file, KD_BUILTIN_CONFIG_NAME) == 0)
+        fputs("  # built-in\n", f);
+    else if (m.line > 0)
+        fprintf(f, "  # %s:%d\n", m.file, m.line);
+    else
+        fprintf(f, "  # %s\n", m.file);
+}
+
+static void print_ids(FILE *f, const uint32_t *ids, uint32_t n)
+{
+    fputc('[', f);
+    for (uint32_t i = 0; i < n; i++)
+        fprintf(f, "%s%u", i ? ", " : "", ids[i]);
+    fputc(']', f);
+}
+
+static void print_value(FILE *f, const kd_config *c, const key_spec *k)
+{
+    const char *at = (const char *)c + k->offset;
+    switch (k->type) {
+    case K_STR:
+        print_string(f, *(char *const *)at);
+        break;
+    case K_DEVICE: {
+        const char *dev = *(char *const *)at;
+        if (dev && *dev && strspn(dev, "0123456789") == strlen(dev))
+            fputs(dev, f); /* an ordinal, as it was written */
+        else
+            print_string(f, dev);
+        break;
+    }
+    case K_U32:
+        fprintf(f, "%u", *(const uint32_t *)at);
+        break;
+    case K_SIZE:
+        fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)at);
+        break;
+    case K_BOOL:
+        fputs(*(const bool *)at ? "true" : "false", f);
+        break;
+    case K_MODE:
+        fprintf(f, "0%o", *(const uint32_t *)at);
+        break;
+    case K_ENUM:
+        fputs(k->choices[*(const int *)at], f);
+        break;
+    case K_UID_LIST:
+    case K_GID_LIST:
+        print_ids(f, *(uint32_t *const *)at, *(const uint32_t *)((const char *)c + k->count_off));
+        break;
+    case K_BUCKETS:
+        print_ids(f, (const uint32_t *)at, *(const uint32_t *)((const char *)c + k->count_off));
+        break;
+    case K_LAYERS:
+        break;
+    }
+}
+
+void kd_config_print(const kd_config *c, FILE *f)
+{
+    fputs("# kdad's effective configuration: the built-in file, then --config FILE, then the\n"
+          "# flags; each key says where its value came from.  Sizes in bytes.\n", f);
+    const char *section = NULL;
+    size_t section_len = 0;
+    for (size_t i = 0; i < NKEYS; i++) {
+        const key_spec *k = &schema[i];
+        const char *dot = strchr(k->path, '.');
+        size_t len = dot ? (size_t)(dot - k->path) : 0;
+        if (len != section_len || (len && strncmp(section, k->path, len) != 0)) {
+            if (len)
+                fprintf(f, "%.*s:\n", (int)len, k->path);
+            section = k->path;
+            section_len = len;
+        }
+        const char *name = len ? k->path + len + 1 : k->path;
+        if (k->type == K_LAYERS) {
+            fprintf(f, "%s:%s", name, c->nlayers ? "" : " []");
+            print_origin(f, c->marks[i]);
+            for (uint32_t j = 0; j < c->nlayers; j++) {
+                const kd_layer_conf *l = &c->layers[j];
+                fputs("  - name: ", f);
+                print_string(f, l->name);
+                print_origin(f, l->mark);
+                fputs("    file: ", f);
+                print_string(f, l->file);
+                fputs("\n    A_log: ", f);
+                print_string(f, l->a_log_tensor);
+                fputs("\n    dt_bias: ", f);
+                print_string(f, l->dt_bias_tensor);
+                fprintf(f, "\n    lower_bound: %.9g\n    scale: %.9g\n", l->lower_bound, l->scale);
+            }
+            continue;
+        }
+        fprintf(f, "%s%s: ", len ? "  " : "", name);
+        print_value(f, c, k);
+        print_origin(f, c->marks[i]);
+    }
 }

@@ -17,6 +17,8 @@
 #include <stdint.h>
 
 #include "defaults.h"
+#include <stdio.h>
+
 #include "kdaproto.h"
 #include "log.h"
 
@@ -66,7 +68,8 @@ typedef struct kd_config {
     /* backend and pool */
     kd_backend_kind backend;
     kd_cuda_completion cuda_completion;
-    uint32_t device;          /* CUDA ordinal */
+    char *device;             /* "N" (CUDA ordinal) or "GPU-..." (a GPU UUID, or a unique
+                                 prefix of one); the cuda backend resolves it */
     uint32_t cpu_threads;     /* 0 = one per online CPU */
     uint32_t heads;           /* H, 1..KP_MAX_HEADS */
     uint32_t slots;           /* pool size, 1..KD_MAX_SLOTS */
@@ -92,6 +95,12 @@ typedef struct kd_config {
     uint64_t output_hard_limit;
     uint64_t output_soft_limit;
     uint32_t output_soft_seconds;
+    uint64_t max_output_bytes_per_uid;    /* unread responses of one uid; 0 in the file = RAM / 8 */
+    uint64_t max_output_bytes_total;      /* the same, all uids; 0 in the file = RAM / 4 */
+    uint64_t max_region_bytes_per_connection; /* mapped regions; 0 in the file = memory / 4 */
+    uint64_t max_region_bytes_per_uid;    /* the same, all of a uid's; 0 in the file = memory / 2 */
+    uint32_t frame_stall_seconds;         /* a frame begun and no byte of it since: closed */
+    uint32_t output_stall_seconds;        /* unread output and no byte of it taken since: closed */
     /* transports */
     bool transport_shm;
     bool transport_cuda_ipc;
@@ -136,6 +145,9 @@ int kd_config_load_text(kd_config *cfg, const char *name, const char *text, size
                         char *err, size_t errlen);
 
 void kd_config_free(kd_config *cfg);
+/* Writes the configuration as YAML kdad reads back, every key with where its value came
+ * from (the built-in file, FILE:LINE, or a flag) as a comment: `kdad --print-config`. */
+void kd_config_print(const kd_config *cfg, FILE *f);
 
 /* The socket path in force: socket_path, or the default described above. */
 const char *kd_config_socket_path(const kd_config *cfg, char *buf, size_t size);

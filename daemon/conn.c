@@ -73,6 +73,32 @@ static void set_events(kd_conn *c, int events)
         uv_poll_stop(&c->poll);
 }
 
+/* Reports a change of the bytes held for the frame still arriving: those
+ * received (the body buffer grows ahead of them, but pages not written yet
+ * take no memory). */
+static void account_partial(kd_conn *c)
+{
+    uint64_t held = !c->closing && c->reader.header_have == KP_FRAME_HEADER_BYTES
+                        ? c->reader.body_have
+                        : 0;
+    if (c->reader.header_have == 0 && held == 0)
+        c->frame_start_ns = 0;
+    else if (!c->frame_start_ns)
+        c->frame_start_ns = uv_hrtime();
+    if (held == c->partial)
+        return;
+    int64_t delta = (int64_t)held - (int64_t)c->partial;
+    c->partial = held;
+    c->t->h.on_partial(c, delta);
+}
+
+/* Reports a change of the unread output. */
+static void output_moved(kd_conn *c, int64_t delta)
+{
+    if (delta)
+        c->t->h.on_output(c, delta);
+}
+
 static bool can_read(const kd_conn *c)
 {
     return !c->closing && !c->paused;
@@ -106,6 +132,7 @@ kd_conn *kd_conn_new(kd_transport *t, int fd, uint64_t id, void *data)
     c->rbuf = rbuf;
     c->refs = 1;
     c->max_frame = KP_HELLO_MAX_FRAME_BYTES;
+    c->last_read_ns = c->last_write_ns = uv_hrtime();
     kp_reader_init(&c->reader, KP_HELLO_MAX_FRAME_BYTES);
     c->next = t->conns;
     if (t->conns)
@@ -126,6 +153,7 @@ static void drop_unsent(kd_conn *c)
         kd_out *o = *p;
         *p = o->next;
         c->out_bytes -= o->bytes;
+        output_moved(c, -(int64_t)o->bytes);
         kd_out_free(o);
     }
     c->out_tail = NULL;
@@ -147,6 +175,7 @@ void kd_conn_close(kd_conn *c, kd_disconnect reason, const kp_error *goodbye)
         close(c->fds[i]);
     c->nfds = 0;
     kp_reader_close(&c->reader);
+    account_partial(c); /* closing: back to 0 */
     conn_ref(c);
     t->h.on_close(c, reason);
     if (goodbye && !c->poll_closed) {
@@ -178,6 +207,7 @@ static void on_closed(uv_handle_t *h)
     }
     c->out_head = c->out_tail = c->spare = NULL;
     c->nspare = 0;
+    output_moved(c, -(int64_t)c->out_bytes);
     c->out_bytes = 0;
     free(c->rbuf);
     c->rbuf = NULL;
@@ -262,13 +292,13 @@ void kd_out_free(kd_out *o)
     free(o);
 }
 
-static void output_close(kd_conn *c, const char *why)
+static void limit_close(kd_conn *c, kd_disconnect reason, const char *why)
 {
     KD_NOTICE("conn %llu: %s; closing", (unsigned long long)c->id, why);
     drop_unsent(c);
     kp_error e;
     kp_fail(&e, KP_E_BUSY, "%s", why);
-    kd_conn_close(c, KD_DISC_OUTPUT_LIMIT, &e);
+    kd_conn_close(c, reason, &e);
 }
 
 static void check_output_limits(kd_conn *c)
@@ -280,7 +310,7 @@ static void check_output_limits(kd_conn *c)
         char why[160];
         snprintf(why, sizeof(why), "unread responses exceed the daemon's output limit of %llu "
                  "bytes", (unsigned long long)l->output_hard);
-        output_close(c, why);
+        limit_close(c, KD_DISC_OUTPUT_LIMIT, why);
         return;
     }
     if (c->out_bytes > l->output_soft) {
@@ -314,6 +344,8 @@ static void out_advance(kd_conn *c, size_t sent)
     const struct iovec *iov = kp_writer_iov(&o->w, &n);
     o->started = true;
     c->out_bytes -= (uint64_t)sent;
+    c->last_write_ns = uv_hrtime();
+    output_moved(c, -(int64_t)sent);
     while (sent > 0 && o->iov_index < n) {
         size_t avail = iov[o->iov_index].iov_len - o->iov_offset;
         size_t step = sent < avail ? sent : avail;
@@ -443,7 +475,10 @@ static void flush(kd_conn *c)
 static void enqueue(kd_conn *c, kd_out *o)
 {
     o->bytes = kp_writer_frame_bytes(&o->w);
+    if (!c->out_head)
+        c->last_write_ns = uv_hrtime(); /* the stall clock starts with the output */
     c->out_bytes += o->bytes;
+    output_moved(c, (int64_t)o->bytes);
     if (c->out_tail)
         c->out_tail->next = o;
     else
@@ -589,6 +624,7 @@ static void deliver(kd_conn *c)
 {
     size_t len;
     uint8_t *body = kp_reader_take(&c->reader, &len);
+    account_partial(c); /* the frame's bytes go to the request now */
     c->t->h.on_frame(c, body, len, uv_hrtime());
 }
 
@@ -606,6 +642,8 @@ static void process_buffered(kd_conn *c)
             deliver(c);
         else if (rc < 0)
             protocol_close(c, &e);
+        else
+            account_partial(c);
     }
     conn_unref(c);
 }
@@ -677,6 +715,7 @@ static void read_some(kd_conn *c)
             break;
         }
         budget = (uint64_t)n >= budget ? 0 : budget - (uint64_t)n;
+        c->last_read_ns = uv_hrtime();
         if (!direct) {
             c->rpos = 0;
             c->rlen = (size_t)n;
@@ -689,6 +728,8 @@ static void read_some(kd_conn *c)
             deliver(c);
         else if (rc < 0)
             protocol_close(c, &e);
+        else
+            account_partial(c);
     }
     if (c->ring_on && !c->closing && c->ring.tail != ring_tail) {
         kd_transport_stay_awake(c->t); /* a ring client at work: keep polling its ring */
@@ -712,6 +753,7 @@ void kd_conn_resume(kd_conn *c)
     if (!c->paused)
         return;
     c->paused = false;
+    c->last_read_ns = uv_hrtime(); /* the peer's stall clock starts again */
     update(c);
 }
 
@@ -914,12 +956,28 @@ void kd_transport_housekeeping(kd_transport *t, uint64_t now)
             continue;
         }
         const kd_transport_limits *l = &t->lim;
+        char why[160];
+        if (c->reader.header_have > 0 && !c->paused && now - c->last_read_ns > l->frame_stall_ns) {
+            snprintf(why, sizeof(why), "no byte of the frame begun for %llu seconds "
+                     "(clients.frame_stall_seconds)",
+                     (unsigned long long)(l->frame_stall_ns / 1000000000ull));
+            limit_close(c, KD_DISC_STALLED, why);
+            continue;
+        }
+        /* a peer still sending requests is alive, if slow to read */
+        if (c->out_head && now - c->last_write_ns > l->output_stall_ns &&
+            now - c->last_read_ns > l->output_stall_ns) {
+            snprintf(why, sizeof(why), "no byte of the unread responses taken for %llu seconds "
+                     "(clients.output_stall_seconds)",
+                     (unsigned long long)(l->output_stall_ns / 1000000000ull));
+            limit_close(c, KD_DISC_STALLED, why);
+            continue;
+        }
         if (c->over_soft_since && now - c->over_soft_since > l->output_soft_ns) {
-            char why[160];
             snprintf(why, sizeof(why), "unread responses stayed above %llu bytes for %llu "
                      "seconds", (unsigned long long)l->output_soft,
                      (unsigned long long)(l->output_soft_ns / 1000000000ull));
-            output_close(c, why);
+            limit_close(c, KD_DISC_OUTPUT_LIMIT, why);
         }
     }
 }

@@ -17,7 +17,14 @@
  * Writing: responses queue as kp_writer iovec lists (large tensors are
  * referenced, not copied) and go out with sendmsg as the socket takes them.
  * Unread output above output_hard closes the connection at once; above
- * output_soft for output_soft_ns, too.
+ * output_soft for output_soft_ns, too.  The owner hears of every byte held
+ * for a frame still arriving (on_partial) and of unread output (on_output),
+ * and pauses reading when it must.
+ *
+ * Slow peers: a frame begun and no byte of it for frame_stall_ns (while
+ * reading was not paused), or unread output of which no byte was taken for
+ * output_stall_ns while the peer sent nothing either, closes the connection
+ * (reason "stalled").
  *
  * The frame ring (PROTOCOL.md §Frame ring): after kd_conn_attach_ring the
  * frames of both directions travel through shared memory instead of the
@@ -54,6 +61,7 @@
     X(TOO_MANY, "too_many_connections")   /* clients.max_connections reached */ \
     X(QUOTA, "quota")                     /* its uid's connection quota reached */ \
     X(IO_ERROR, "io_error")               /* read or write failed */            \
+    X(STALLED, "stalled")                 /* a frame or the output made no progress */ \
     X(SHUTDOWN, "shutdown")               /* kdad drained and exits */          \
     X(DEVICE_FAILED, "device_failed")     /* the device failed; kdad exits */
 
@@ -93,6 +101,11 @@ typedef struct kd_conn_handlers {
     void (*on_close)(kd_conn *c, kd_disconnect reason);
     /* The socket is closed; c is freed when this returns. */
     void (*on_free)(kd_conn *c);
+    /* The bytes held for the frame still arriving changed by delta (back to
+     * 0 before on_frame, and at the close). */
+    void (*on_partial)(kd_conn *c, int64_t delta);
+    /* The unread output changed by delta (back to 0 by on_free). */
+    void (*on_output)(kd_conn *c, int64_t delta);
 } kd_conn_handlers;
 
 /* Set by the owner (and changed on reload). */
@@ -104,6 +117,8 @@ typedef struct kd_transport_limits {
     uint64_t read_budget;     /* bytes read per connection and wakeup */
     uint64_t write_budget;    /* bytes written per connection and wakeup */
     uint32_t read_buffer;     /* frames smaller than this are read through a buffer */
+    uint64_t frame_stall_ns;  /* a frame begun and no byte of it for this long: closed */
+    uint64_t output_stall_ns; /* output queued and no byte of it taken for this long: closed */
     uint32_t spin_us;         /* the loop polls this long after kd_transport_stay_awake */
 } kd_transport_limits;
 
@@ -121,6 +136,10 @@ struct kd_conn {
     int fds[KP_MAX_PENDING_FDS]; /* received, unclaimed descriptors, oldest first */
     uint32_t nfds;
     uint64_t max_frame;        /* the largest frame either way */
+    uint64_t partial;          /* bytes held for the frame still arriving (on_partial) */
+    uint64_t frame_start_ns;   /* uv_hrtime() when that frame began */
+    uint64_t last_read_ns;     /* uv_hrtime() of the last byte read, or of a resume */
+    uint64_t last_write_ns;    /* uv_hrtime() of the last byte sent, or of output queued */
 
     kd_out *out_head, *out_tail;
     uint64_t out_bytes;        /* queued and not yet sent */

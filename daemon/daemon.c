@@ -61,8 +61,18 @@ static void on_conn_free(kd_conn *c)
         close_handles(d);
 }
 
-static const kd_conn_handlers conn_handlers = {on_frame, on_conn_error, on_conn_close,
-                                               on_conn_free};
+static void on_partial(kd_conn *c, int64_t delta)
+{
+    kd_client_partial(c->data, delta);
+}
+
+static void on_output(kd_conn *c, int64_t delta)
+{
+    kd_client_output(c->data, delta);
+}
+
+static const kd_conn_handlers conn_handlers = {on_frame,   on_conn_error, on_conn_close,
+                                               on_conn_free, on_partial,  on_output};
 
 static void on_accept(void *ctx, int fd)
 {
@@ -85,6 +95,8 @@ static kd_transport_limits transport_limits(const kd_config *cfg)
         .read_budget = KD_READ_BUDGET_BYTES,
         .write_budget = KD_WRITE_BUDGET_BYTES,
         .read_buffer = KD_READ_BUFFER_BYTES,
+        .frame_stall_ns = (uint64_t)cfg->frame_stall_seconds * 1000000000ull,
+        .output_stall_ns = (uint64_t)cfg->output_stall_seconds * 1000000000ull,
         .spin_us = cfg->spin_us,
     };
 }
@@ -300,7 +312,7 @@ static void keep_restart_only(kd_config *nc, kd_config *old)
         {"socket.mode", nc->socket_mode != old->socket_mode},
         {"socket.group", str_differs(nc->socket_group, old->socket_group)},
         {"backend", nc->backend != old->backend},
-        {"device", nc->device != old->device},
+        {"device", str_differs(nc->device, old->device)},
         {"cuda_completion", nc->cuda_completion != old->cuda_completion},
         {"cpu_threads", nc->cpu_threads != old->cpu_threads},
         {"heads", nc->heads != old->heads},
@@ -440,6 +452,20 @@ static uint32_t buckets(const kd_config *cfg, uint32_t *out)
     return n;
 }
 
+/* libuv starts its worker threads with the first work queued, and aborts
+ * the process when it cannot: so they start now, before any client can
+ * press on the machine's memory. */
+static void warm_up(uv_work_t *w)
+{
+    (void)w;
+}
+
+static void warmed_up(uv_work_t *w, int status)
+{
+    (void)w;
+    (void)status;
+}
+
 int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *config_path,
                    const kd_config_overrides *ov, char *err, size_t errlen)
 {
@@ -486,6 +512,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         return KD_EXIT_USAGE;
     kd_log_set_level(d->cfg.log_level);
 
+    uv_queue_work(loop, &d->warm, warm_up, warmed_up);
     kd_transport_limits tl = transport_limits(&d->cfg);
     kd_transport_init(&d->net, loop, &conn_handlers, &tl);
     kd_engine_init(&d->engine, d, on_engine_fatal, on_engine_settled, d);

@@ -61,6 +61,8 @@ struct kd_daemon {
 
     kd_transport net;          /* the clients' connections */
     kd_client *clients;        /* open and closing, and closed ones with requests left */
+    uint32_t partial_held;     /* clients not reading: their uid's frames still arriving */
+    uint32_t output_held;      /* clients not reading: their uid's unread output */
     uint64_t next_serial;
     kd_engine engine;
 
@@ -78,6 +80,7 @@ struct kd_daemon {
     bool watchdog_on;
     kd_watchdog watchdog;
     bool handles_closed;
+    uv_work_t warm;            /* starts libuv's worker threads at start-up */
 };
 
 /*

@@ -11,7 +11,7 @@
 #ifndef KDAD_DEFAULTS_H
 #define KDAD_DEFAULTS_H
 
-#define KD_VERSION_STRING "0.1.0"          /* fixed: hello's "server" is "kdad " this */
+#define KD_VERSION_STRING KDAD_VERSION     /* from kdaclient.h, through CMake; hello's "server" is "kdad " this */
 
 /* Exit codes of kdad (documented in docs/daemon.md). */
 #define KD_EXIT_OK 0
@@ -28,11 +28,17 @@
 #define KD_DEFAULT_MAX_CONNECTIONS 1024u         /* clients.max_connections */
 #define KD_DEFAULT_MAX_CONNECTIONS_PER_UID 256u  /* clients.max_connections_per_uid */
 #define KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID (4ull << 30) /* clients.max_inflight_bytes_per_uid */
-#define KD_FALLBACK_MAX_INFLIGHT_BYTES_TOTAL (8ull << 30) /* clients.max_inflight_bytes_total = 0 when
-                                                              the machine's memory cannot be read */
+#define KD_FALLBACK_MEMORY_BYTES (16ull << 30) /* the machine's memory when it cannot be read
+                                                   (the memory-sized defaults below) */
+/* clients.max_inflight_bytes_total = 0: half of the machine's memory
+ * clients.max_output_bytes_per_uid = 0: an eighth of it; max_output_bytes_total = 0: a quarter
+ * clients.max_region_bytes_per_connection = 0: a quarter of the memory or of RLIMIT_AS,
+ * whichever is smaller; max_region_bytes_per_uid = 0: half of it */
 #define KD_DEFAULT_OUTPUT_HARD_LIMIT (1ull << 30) /* clients.output_hard_limit: unread bytes that close at once */
 #define KD_DEFAULT_OUTPUT_SOFT_LIMIT (512ull << 20) /* clients.output_soft_limit */
 #define KD_DEFAULT_OUTPUT_SOFT_SECONDS 10u       /* clients.output_soft_seconds: time above the soft limit */
+#define KD_DEFAULT_FRAME_STALL_SECONDS 30u       /* clients.frame_stall_seconds */
+#define KD_DEFAULT_OUTPUT_STALL_SECONDS 30u      /* clients.output_stall_seconds */
 #define KD_CLOSE_FLUSH_MS 2000u                  /* fixed: time a goodbye gets to drain before the close */
 
 /* Batching */
@@ -50,6 +56,10 @@
 #define KD_WRITE_BUDGET_BYTES (16u << 20)        /* fixed */
 #define KD_READ_BUFFER_BYTES (64u << 10)         /* fixed: small frames are read through this buffer;
                                                     larger bodies go straight into the frame */
+
+/* libuv's worker threads (UV_THREADPOOL_SIZE unless the environment sets it),
+ * started at start-up so that no later request depends on creating them */
+#define KD_UV_THREADPOOL_SIZE 4                  /* fixed */
 
 /* Shutdown and housekeeping */
 #define KD_DEFAULT_DRAIN_TIMEOUT_MS 30000u       /* drain_timeout_ms: then queued requests get SHUTTING_DOWN */

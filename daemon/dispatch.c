@@ -71,7 +71,7 @@ static void do_hello(kd_req *r)
     res.instance = d->instance;
     res.backend = bi->kind;
     res.has_gpu = bi->has_gpu;
-    res.gpu = (kp_gpu){bi->gpu_name, bi->gpu_uuid, bi->gpu_index};
+    res.gpu = (kp_gpu){bi->gpu_name, bi->gpu_uuid, bi->gpu_index, bi->gpu_pci_bus_id};
     res.geometry = c->session.geometry;
     res.transports = transports(d);
     res.slots_persist = d->cfg.slots_persist;
@@ -280,6 +280,13 @@ static void do_slot_info(kd_req *r)
     free(info);
 }
 
+static kd_region_limits region_limits(const kd_client *c)
+{
+    const kd_config *cfg = &c->d->cfg;
+    return (kd_region_limits){c->session.limits.max_regions_per_client,
+                              cfg->max_region_bytes_per_connection, cfg->max_region_bytes_per_uid};
+}
+
 static void reply_region(kd_req *r, const kd_region *reg)
 {
     kp_region_register_result res = {reg->id};
@@ -311,8 +318,8 @@ static void do_region_register_shm(kd_req *r)
     }
     int fd = r->fd;
     r->fd = -1; /* kd_region_register_shm closes it in every case */
-    if (kd_region_register_shm(&c->regions, d->backend, fd, p.size,
-                               c->session.limits.max_regions_per_client, &reg, &e) != KP_OK) {
+    kd_region_limits lim = region_limits(c);
+    if (kd_region_register_shm(&c->regions, d->backend, fd, p.size, &lim, &reg, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
@@ -345,8 +352,8 @@ static void do_region_register_cuda(kd_req *r)
     }
     int fd = r->fd;
     r->fd = -1; /* kd_region_register_cuda closes it in every case */
-    if (kd_region_register_cuda(&c->regions, d->backend, &p, fd,
-                                c->session.limits.max_regions_per_client, &reg, &e) != KP_OK) {
+    kd_region_limits lim = region_limits(c);
+    if (kd_region_register_cuda(&c->regions, d->backend, &p, fd, &lim, &reg, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
@@ -543,4 +550,20 @@ void kd_dispatch_gauges(const kd_daemon *d, kd_stats_gauges *g)
     g->queued = d->sched.queued;
     g->running = d->backend->inflight;
     g->ring_doorbells = d->net.ring_doorbells;
+    const kd_quota *q = &d->quota;
+    const kd_config *cfg = &d->cfg;
+    g->held[KD_HELD_INFLIGHT] = (kd_stats_held){
+        q->inflight_bytes, q->peak_inflight_bytes, cfg->max_inflight_bytes_per_uid,
+        cfg->max_inflight_bytes_total, "clients.max_inflight_bytes_per_uid",
+        "clients.max_inflight_bytes_total"};
+    g->held[KD_HELD_PARTIAL] = (kd_stats_held){q->partial_bytes, q->peak_partial_bytes, 0, 0, NULL,
+                                               NULL};
+    g->held[KD_HELD_OUTPUT] = (kd_stats_held){
+        q->output_bytes, q->peak_output_bytes, cfg->max_output_bytes_per_uid,
+        cfg->max_output_bytes_total, "clients.max_output_bytes_per_uid",
+        "clients.max_output_bytes_total"};
+    g->held[KD_HELD_REGIONS] = (kd_stats_held){
+        q->region_bytes, q->peak_region_bytes, cfg->max_region_bytes_per_uid,
+        cfg->max_region_bytes_per_connection, "clients.max_region_bytes_per_uid",
+        "clients.max_region_bytes_per_connection"};
 }

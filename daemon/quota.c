@@ -29,14 +29,15 @@ static kd_uid_use *find(const kd_quota *q, uid_t uid)
 /* Drops an entry that holds nothing any more. */
 static void prune(kd_quota *q, kd_uid_use *u)
 {
-    if (u->connections == 0 && u->inflight_bytes == 0)
+    if (u->connections == 0 && u->inflight_bytes == 0 && u->output_bytes == 0 &&
+        u->region_bytes == 0)
         *u = q->v[--q->n];
 }
 
 kd_uid_use kd_quota_use(const kd_quota *q, uid_t uid)
 {
     const kd_uid_use *u = find(q, uid);
-    return u ? *u : (kd_uid_use){uid, 0, 0};
+    return u ? *u : (kd_uid_use){.uid = uid};
 }
 
 int kd_quota_connect(kd_quota *q, uid_t uid, uint32_t max, kp_error *err)
@@ -55,7 +56,7 @@ int kd_quota_connect(kd_quota *q, uid_t uid, uint32_t max, kp_error *err)
             q->cap = cap;
         }
         u = &q->v[q->n++];
-        *u = (kd_uid_use){uid, 0, 0};
+        *u = (kd_uid_use){.uid = uid};
     }
     u->connections++;
     return KP_OK;
@@ -79,6 +80,8 @@ int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max_uid, ui
                        (unsigned)uid);
     u->inflight_bytes += bytes;
     q->inflight_bytes += bytes;
+    if (q->inflight_bytes > q->peak_inflight_bytes)
+        q->peak_inflight_bytes = q->inflight_bytes;
     if (u->inflight_bytes > max_uid)
         return kp_fail(err, KP_E_BUSY, "uid %u would hold %llu bytes of unanswered "
                        "requests, above clients.max_inflight_bytes_per_uid %llu; wait for "
@@ -99,5 +102,77 @@ void kd_quota_refund(kd_quota *q, uid_t uid, uint64_t bytes)
     const uint64_t back = bytes < u->inflight_bytes ? bytes : u->inflight_bytes;
     u->inflight_bytes -= back;
     q->inflight_bytes -= back;
+    prune(q, u);
+}
+
+/* Adds delta to *v, clamped at 0. */
+static void move(uint64_t *v, int64_t delta)
+{
+    if (delta >= 0)
+        *v += (uint64_t)delta;
+    else
+        *v -= (uint64_t)-delta < *v ? (uint64_t)-delta : *v;
+}
+
+void kd_quota_partial(kd_quota *q, uid_t uid, int64_t delta)
+{
+    kd_uid_use *u = find(q, uid);
+    if (!u)
+        return; /* a refused connection: it reads nothing */
+    move(&u->partial_bytes, delta);
+    move(&q->partial_bytes, delta);
+    if (q->partial_bytes > q->peak_partial_bytes)
+        q->peak_partial_bytes = q->partial_bytes;
+    move(&u->inflight_bytes, delta);
+    move(&q->inflight_bytes, delta);
+    if (q->inflight_bytes > q->peak_inflight_bytes)
+        q->peak_inflight_bytes = q->inflight_bytes;
+    prune(q, u);
+}
+
+void kd_quota_output(kd_quota *q, uid_t uid, int64_t delta)
+{
+    kd_uid_use *u = find(q, uid);
+    if (!u)
+        return;
+    move(&u->output_bytes, delta);
+    move(&q->output_bytes, delta);
+    if (q->output_bytes > q->peak_output_bytes)
+        q->peak_output_bytes = q->output_bytes;
+    prune(q, u);
+}
+
+bool kd_quota_output_ok(const kd_quota *q, uid_t uid, uint64_t max_uid, uint64_t max_total)
+{
+    const kd_uid_use *u = find(q, uid);
+    return q->output_bytes <= max_total && (!u || u->output_bytes <= max_uid);
+}
+
+int kd_quota_map(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max_uid, kp_error *err)
+{
+    kd_uid_use *u = find(q, uid);
+    if (!u)
+        return kp_fail(err, KP_E_INTERNAL, "uid %u maps a region without a connection",
+                       (unsigned)uid);
+    if (bytes > max_uid || u->region_bytes > max_uid - bytes)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "size: %llu bytes would take uid %u to %llu "
+                       "bytes of mapped regions, above clients.max_region_bytes_per_uid %llu",
+                       (unsigned long long)bytes, (unsigned)uid,
+                       (unsigned long long)(u->region_bytes + bytes),
+                       (unsigned long long)max_uid);
+    u->region_bytes += bytes;
+    q->region_bytes += bytes;
+    if (q->region_bytes > q->peak_region_bytes)
+        q->peak_region_bytes = q->region_bytes;
+    return KP_OK;
+}
+
+void kd_quota_unmap(kd_quota *q, uid_t uid, uint64_t bytes)
+{
+    kd_uid_use *u = find(q, uid);
+    if (!u)
+        return;
+    move(&u->region_bytes, -(int64_t)bytes);
+    move(&q->region_bytes, -(int64_t)bytes);
     prune(q, u);
 }

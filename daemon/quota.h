@@ -16,6 +16,7 @@
 #ifndef KDAD_QUOTA_H
 #define KDAD_QUOTA_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -24,13 +25,20 @@
 typedef struct kd_uid_use {
     uid_t uid;
     uint32_t connections;     /* open (not closing) */
-    uint64_t inflight_bytes;  /* request frames charged and not refunded */
+    uint64_t inflight_bytes;  /* request frames charged and not refunded, partial ones too */
+    uint64_t partial_bytes;   /* of which frames still arriving */
+    uint64_t output_bytes;    /* responses queued and not read yet */
+    uint64_t region_bytes;    /* regions mapped */
 } kd_uid_use;
 
 typedef struct kd_quota {
     kd_uid_use *v;
     uint32_t n, cap;
     uint64_t inflight_bytes;  /* all uids together */
+    uint64_t partial_bytes;
+    uint64_t output_bytes;
+    uint64_t region_bytes;
+    uint64_t peak_inflight_bytes, peak_partial_bytes, peak_output_bytes, peak_region_bytes;
 } kd_quota;
 
 void kd_quota_init(kd_quota *q);
@@ -55,5 +63,18 @@ void kd_quota_disconnect(kd_quota *q, uid_t uid);
 int kd_quota_charge(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max_uid, uint64_t max_total,
                     kp_error *err);
 void kd_quota_refund(kd_quota *q, uid_t uid, uint64_t bytes);
+
+/* Bytes of a frame still arriving changed by delta: counted in the uid's
+ * in-flight bytes (so that its requests meet BUSY the same way) and as its
+ * partial bytes. */
+void kd_quota_partial(kd_quota *q, uid_t uid, int64_t delta);
+/* Unread output of uid changed by delta. */
+void kd_quota_output(kd_quota *q, uid_t uid, int64_t delta);
+/* Whether uid's output is within both bounds. */
+bool kd_quota_output_ok(const kd_quota *q, uid_t uid, uint64_t max_uid, uint64_t max_total);
+/* A region of bytes to map for uid: KP_OK (counted) or QUOTA_EXCEEDED with
+ * err when that would take the uid beyond max_uid. */
+int kd_quota_map(kd_quota *q, uid_t uid, uint64_t bytes, uint64_t max_uid, kp_error *err);
+void kd_quota_unmap(kd_quota *q, uid_t uid, uint64_t bytes);
 
 #endif /* KDAD_QUOTA_H */

@@ -17,24 +17,43 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-void kd_regions_init(kd_regions *rs)
+void kd_regions_init(kd_regions *rs, kd_quota *quota, uid_t uid)
 {
     memset(rs, 0, sizeof(*rs));
     rs->next_id = 1;
+    rs->quota = quota;
+    rs->uid = uid;
 }
 
-static int quota(const kd_regions *rs, uint32_t max, kp_error *err)
+/* Counts size mapped bytes, or refuses them (nothing is counted then). */
+static int quota(kd_regions *rs, const kd_region_limits *lim, uint64_t size, kp_error *err)
 {
-    if (rs->count >= max)
+    if (rs->count >= lim->max_regions)
         return kp_fail(err, KP_E_QUOTA_EXCEEDED, "this connection holds max_regions_per_client "
-                       "%u regions", max);
+                       "%u regions", lim->max_regions);
     if (rs->next_id == 0) /* 2^32 - 1 registrations on one connection */
         return kp_fail(err, KP_E_QUOTA_EXCEEDED, "region ids of this connection are used up");
-    return KP_OK;
+    if (size > lim->max_bytes || rs->bytes > lim->max_bytes - size)
+        return kp_fail(err, KP_E_QUOTA_EXCEEDED, "size: %llu bytes would take this connection "
+                       "to %llu bytes of mapped regions, above "
+                       "clients.max_region_bytes_per_connection %llu",
+                       (unsigned long long)size, (unsigned long long)(rs->bytes + size),
+                       (unsigned long long)lim->max_bytes);
+    int rc = kd_quota_map(rs->quota, rs->uid, size, lim->max_uid_bytes, err);
+    if (rc == KP_OK)
+        rs->bytes += size;
+    return rc;
+}
+
+static void unquota(kd_regions *rs, uint64_t size)
+{
+    rs->bytes -= size;
+    kd_quota_unmap(rs->quota, rs->uid, size);
 }
 
 static int add(kd_regions *rs, kd_region *r, kd_region **out)
 {
+    r->owner = rs;
     r->id = rs->next_id++;
     r->refs = 1;
     r->next = rs->head;
@@ -44,10 +63,11 @@ static int add(kd_regions *rs, kd_region *r, kd_region **out)
     return KP_OK;
 }
 
-int kd_region_register_shm(kd_regions *rs, kd_backend *b, int fd, uint64_t size, uint32_t max,
-                           kd_region **out, kp_error *err)
+int kd_region_register_shm(kd_regions *rs, kd_backend *b, int fd, uint64_t size,
+                           const kd_region_limits *lim, kd_region **out, kp_error *err)
 {
-    int rc = quota(rs, max, err);
+    int rc = quota(rs, lim, size, err);
+    bool counted = rc == KP_OK;
     struct stat st;
     int seals;
     void *map = MAP_FAILED;
@@ -90,22 +110,26 @@ fail:
     free(r);
     if (map != MAP_FAILED)
         munmap(map, (size_t)size);
+    if (counted)
+        unquota(rs, size);
     close(fd);
     return rc;
 }
 
 int kd_region_register_cuda(kd_regions *rs, kd_backend *b, const kp_region_register_cuda_params *p,
-                            int fd, uint32_t max, kd_region **out, kp_error *err)
+                            int fd, const kd_region_limits *lim, kd_region **out, kp_error *err)
 {
     int rc;
+    bool counted = false;
     kd_region *r = NULL;
     if (!b->ops->open_cuda) {
         rc = kp_fail(err, KP_E_NOT_SUPPORTED, "CUDA regions need the cuda backend; this "
                      "daemon runs the %s backend", b->info.name);
         goto fail;
     }
-    if ((rc = quota(rs, max, err)))
+    if ((rc = quota(rs, lim, p->size, err)))
         goto fail;
+    counted = true;
     if (!(r = calloc(1, sizeof(*r)))) {
         rc = kp_fail(err, KP_E_NO_MEMORY, "no memory for a region");
         goto fail;
@@ -118,6 +142,8 @@ int kd_region_register_cuda(kd_regions *rs, kd_backend *b, const kp_region_regis
     return add(rs, r, out);
 fail:
     free(r);
+    if (counted)
+        unquota(rs, p->size);
     if (fd >= 0)
         close(fd);
     return rc;
@@ -142,6 +168,7 @@ static void destroy(kd_region *r)
     } else {
         b->ops->close_cuda(b, r->handle);
     }
+    unquota(r->owner, r->size);
     kd_region_gone_cb gone = r->gone;
     void *arg = r->gone_arg;
     free(r);

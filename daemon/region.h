@@ -17,6 +17,7 @@
 
 #include "backend.h"
 #include "kdaproto.h"
+#include "quota.h"
 
 typedef enum kd_region_kind {
     KD_REGION_SHM = 0,
@@ -24,6 +25,7 @@ typedef enum kd_region_kind {
 } kd_region_kind;
 
 typedef struct kd_region kd_region;
+typedef struct kd_regions kd_regions;
 
 /* Called once a released region is gone (region.release answers then). */
 typedef void (*kd_region_gone_cb)(void *arg);
@@ -40,30 +42,42 @@ struct kd_region {
     kd_region_gone_cb gone;
     void *gone_arg;
     kd_region *next;         /* the connection's list */
+    kd_regions *owner;       /* its mapped bytes are counted there until it is gone */
 };
 
 /* A connection's regions. */
-typedef struct kd_regions {
+struct kd_regions {
     kd_region *head;
     uint32_t count;          /* registered (not released) */
     uint32_t next_id;
-} kd_regions;
+    uint64_t bytes;          /* mapped: registered, or released and still in use */
+    kd_quota *quota;         /* where the uid's mapped bytes are counted */
+    uid_t uid;
+};
 
-void kd_regions_init(kd_regions *rs);
+/* What one connection may map. */
+typedef struct kd_region_limits {
+    uint32_t max_regions;    /* limits.max_regions_per_client */
+    uint64_t max_bytes;      /* clients.max_region_bytes_per_connection */
+    uint64_t max_uid_bytes;  /* clients.max_region_bytes_per_uid */
+} kd_region_limits;
+
+void kd_regions_init(kd_regions *rs, kd_quota *quota, uid_t uid);
 
 /*
  * Registers a memfd: it must carry F_SEAL_SHRINK and hold at least `size`
  * bytes (else KP_E_REGION_INVALID); it is mapped read-write and pinned by the
  * backend.  The fd is always closed, on success too.  KP_E_QUOTA_EXCEEDED
- * beyond max regions.
+ * beyond the limits (checked before anything is mapped: a sparse memfd
+ * counts at the size registered).
  */
-int kd_region_register_shm(kd_regions *rs, kd_backend *b, int fd, uint64_t size, uint32_t max,
-                           kd_region **out, kp_error *err);
+int kd_region_register_shm(kd_regions *rs, kd_backend *b, int fd, uint64_t size,
+                           const kd_region_limits *lim, kd_region **out, kp_error *err);
 /* Opens CUDA memory through the backend (KP_E_NOT_SUPPORTED without one):
  * an IPC handle (fd -1), or the VMM allocation behind fd (handle_type
  * posix_fd), which it closes in every case. */
 int kd_region_register_cuda(kd_regions *rs, kd_backend *b, const kp_region_register_cuda_params *p,
-                            int fd, uint32_t max, kd_region **out, kp_error *err);
+                            int fd, const kd_region_limits *lim, kd_region **out, kp_error *err);
 
 /* A registered (not released) region, or NULL. */
 kd_region *kd_region_find(const kd_regions *rs, uint32_t id);

@@ -241,6 +241,28 @@ char *kd_stats_prometheus(const kd_stats *s, const kd_stats_gauges *g, uint64_t 
     METRIC("ring_doorbells_total", "counter",
            "Doorbells rung to frame-ring clients that said they sleep.");
     fprintf(f, "kdad_ring_doorbells_total %llu\n", (unsigned long long)r->ring_doorbells);
+    static const char *const held_names[KD_HELD_COUNT] = {
+#define KD_HELD_NAME(id, name) name,
+        KD_HELD(KD_HELD_NAME)
+#undef KD_HELD_NAME
+    };
+    METRIC("held_bytes", "gauge", "Bytes clients make kdad hold, by kind.");
+    for (int k = 0; k < KD_HELD_COUNT; k++)
+        fprintf(f, "kdad_held_bytes{kind=\"%s\"} %llu\n", held_names[k],
+                (unsigned long long)g->held[k].now);
+    METRIC("held_bytes_peak", "gauge", "The most bytes clients made kdad hold since start, by kind.");
+    for (int k = 0; k < KD_HELD_COUNT; k++)
+        fprintf(f, "kdad_held_bytes_peak{kind=\"%s\"} %llu\n", held_names[k],
+                (unsigned long long)g->held[k].peak);
+    METRIC("held_bytes_bound", "gauge", "The bounds on them, by configuration key.");
+    for (int k = 0; k < KD_HELD_COUNT; k++) {
+        if (g->held[k].uid_key)
+            fprintf(f, "kdad_held_bytes_bound{kind=\"%s\",key=\"%s\"} %llu\n", held_names[k],
+                    g->held[k].uid_key, (unsigned long long)g->held[k].bound_uid);
+        if (g->held[k].total_key)
+            fprintf(f, "kdad_held_bytes_bound{kind=\"%s\",key=\"%s\"} %llu\n", held_names[k],
+                    g->held[k].total_key, (unsigned long long)g->held[k].bound_total);
+    }
     METRIC("errors_total", "counter", "Errors answered, by code name.");
     for (uint32_t i = 0; i < r->nerrors; i++)
         fprintf(f, "kdad_errors_total{code=\"%s\"} %llu\n", r->errors[i].name,

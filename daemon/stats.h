@@ -91,6 +91,27 @@ typedef struct kd_stats {
     uint32_t ring_next, ring_len;
 } kd_stats;
 
+/* What clients make kdad hold, by kind. */
+#define KD_HELD(X)                                                                   \
+    X(INFLIGHT, "inflight")     /* request frames unanswered, those arriving too */ \
+    X(PARTIAL, "partial")       /* of which frames still arriving */                 \
+    X(OUTPUT, "output")         /* responses not read yet */                         \
+    X(REGIONS, "regions")       /* regions mapped */
+
+typedef enum kd_held_kind {
+#define KD_HELD_ENUM(id, name) KD_HELD_##id,
+    KD_HELD(KD_HELD_ENUM)
+#undef KD_HELD_ENUM
+    KD_HELD_COUNT
+} kd_held_kind;
+
+typedef struct kd_stats_held {
+    uint64_t now, peak;
+    uint64_t bound_uid;    /* the per-uid bound (0: none of its own) */
+    uint64_t bound_total;  /* the daemon-wide or per-connection bound (0: none) */
+    const char *uid_key, *total_key; /* their configuration keys */
+} kd_stats_held;
+
 /* What the stats result needs besides the counters. */
 typedef struct kd_stats_gauges {
     uint32_t slots_total, slots_used, slots_lost;
@@ -100,6 +121,9 @@ typedef struct kd_stats_gauges {
     uint32_t queued;   /* requests waiting for the device */
     uint32_t running;  /* batches on the device */
     uint64_t ring_doorbells; /* rung to sleeping frame-ring clients so far (conn.h) */
+    /* Bytes clients make kdad hold (quota.h): now, the peak since start, and
+     * the daemon-wide bound (per-uid bounds in kd_stats_bounds). */
+    kd_stats_held held[KD_HELD_COUNT];
 } kd_stats_gauges;
 
 void kd_stats_init(kd_stats *s, uint64_t now_ns);

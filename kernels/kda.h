@@ -2,7 +2,7 @@
  * kda.h - the prefill contract between kdad and every KDA backend.
  *
  * One call runs a packed, variable-length prefill of Kimi Delta Attention
- * (../docs/KDA.md: the exact math) for any number of sequences.  Each
+ * (docs/kda.md: the exact math) for any number of sequences.  Each
  * sequence names its own tensors (so sequences may live in one packed buffer
  * or in different buffers), its length, its layer weights and a slot of the
  * state pool.  The slot is both the initial and the final state: backends
@@ -69,6 +69,8 @@ typedef struct kda_layer {
 
 /* kda_seq.flags */
 #define KDA_SEQ_ZERO_STATE 0x1u   /* start from a zero state, ignoring the slot's contents */
+/* Every other bit is reserved: kda_batch_check rejects it (the CUDA backend's own descriptors use
+   some, kernels/cuda/params.h). */
 
 /*
  * One sequence of a batch.  All tensors share the pool's H; tokens are

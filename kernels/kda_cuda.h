@@ -95,6 +95,25 @@ int kda_cuda_step_check(const kda_pool *pool, const kda_step *step, kda_error *e
 int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_step *step_dev, int32_t max_seqs,
                   void *stream, kda_error *err);
 
+/*
+ * Long chains cut into segments that run at once (docs/kernel.md, "Splitting
+ * a chain").  AUTO (the default): when at least three segments per sequence
+ * fit the SMs (2 x max_seqs x heads x 3 <= SMs, e.g. H = 8 with one sequence),
+ * each sequence is cut into up to SMs / (2 x max_seqs x heads) segments (at
+ * most 16) of at least 2048 tokens, chosen on the device from its length
+ * (shorter sequences run whole); the launch is then four kernels instead of
+ * one (plan, pass 1, scan, pass 3).  The choice of the path depends
+ * only on max_seqs, heads and the GPU, so a captured graph stays valid for
+ * any batch of its bucket.  OFF never cuts; ALWAYS cuts whenever two segments
+ * fit, down to 64 tokens a segment (tests).
+ */
+typedef enum kda_cuda_split {
+    KDA_CUDA_SPLIT_AUTO = 0,
+    KDA_CUDA_SPLIT_OFF,
+    KDA_CUDA_SPLIT_ALWAYS,
+} kda_cuda_split;
+void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,5 @@
 /*
- * kda_ref.c - the float64 token-loop oracle (KDA.md, "Per token").
+ * kda_ref.c - the float64 token-loop oracle (docs/kda.md, "One token").
  *
  * Deliberately the plainest possible transcription of the math: every test
  * of a fast backend is only as good as this file.

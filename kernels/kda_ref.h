@@ -1,5 +1,5 @@
 /*
- * kda_ref.h - the float64 token-loop oracle, straight from KDA.md.
+ * kda_ref.h - the float64 token-loop oracle, straight from docs/kda.md.
  *
  * Slow and exact: every test compares backends against it.
  */

@@ -62,7 +62,7 @@ extern "C" {
 #define KP_TEXT_MAX 256              /* free-text strings (client, server, GPU name), bytes */
 #define KP_ERRMSG_MAX 512            /* error messages, bytes including the NUL */
 #define KP_CUDA_IPC_HANDLE_BYTES 64  /* sizeof(cudaIpcMemHandle_t) */
-#define KP_TENSOR_ALIGN 16           /* region offsets are multiples of this (TMA, vector loads) */
+#define KP_TENSOR_ALIGN 16           /* region offsets are multiples of this (16-byte vector loads) */
 #define KP_HIST_MAX_BUCKETS 64       /* latency histogram bounds in stats */
 #define KP_MAX_PENDING_FDS 4         /* received fds not yet claimed by a frame, per connection */
 
@@ -493,6 +493,7 @@ typedef struct kp_gpu {
     const char *name;  /* e.g. "NVIDIA H200" */
     const char *uuid;  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
     uint32_t index;    /* CUDA device ordinal inside the daemon */
+    const char *pci_bus_id; /* PCI bus id, "0000:19:00.0"; NULL or "": not sent */
 } kp_gpu;
 
 typedef struct kp_hello_result {

@@ -20,7 +20,7 @@ case ${1:-} in wire|config|safetensors) target=$1; shift ;; esac
 seconds=${1:-300} jobs=${2:-1}
 dir=build-fuzz
 cmake -S . -B "$dir" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKDAD_FUZZ=ON \
-      -DKDAD_GOLDEN_DIR="${KDAD_GOLDEN_DIR:-$PWD/../shared/golden}" >/dev/null
+      >/dev/null
 cmake --build "$dir" -j"$(nproc)" --target "fuzz_$target" fuzz_seeds >/dev/null
 # Each target runs in its own folder: its corpus, seeds, logs (fuzz-N.log) and findings.
 run=$dir/run-$target

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Quickstart on a fresh Debian 12 machine: install the build dependencies,
-# build kdad and kdactl, start kdad with its built-in configuration (backend
-# auto: the GPU when there is a usable one, else the CPU) on a temporary
-# socket with H = 8 heads, run one random KDA prefill of 2048 tokens through
-# it, and stop it (SIGTERM drains and exits 0).
+# build what `cmake --install build` installs (kdad, kdactl, libkdaclient; the
+# tests are scripts/test.sh's), start kdad with its built-in configuration
+# (backend auto: the GPU when there is a usable one, else the CPU) on a
+# temporary socket with H = 8 heads, run one random KDA prefill of 2048 tokens
+# through it, and stop it (SIGTERM drains and exits 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j"$(nproc)" --target kdad kdactl
+cmake --build build -j"$(nproc)" --target kdad kdactl kdaclient kdaclient_static
 
 dir=$(mktemp -d /tmp/kdad-quickstart-XXXXXX)
 sock=$dir/kdad.sock

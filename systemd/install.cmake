@@ -32,13 +32,20 @@ kdad_dir(docdir "${KDAD_DOCDIR}" doc)
 
 set(KDAD_CONFIG_FILE "${sysconfdir}/kdad/kdad.yaml")
 set(KDAD_SBINDIR "${sbindir}")
+set(KDAD_SYSCONFDIR "${sysconfdir}")
 set(KDAD_DOCDIR "${docdir}")
 # One copy per prefix: installs for different prefixes may run at once (the tests do).
+# kdad.service for one GPU, the kdad@.service template for one kdad per GPU.
 string(MD5 tag "${CMAKE_INSTALL_PREFIX}")
-set(unit "${KDAD_BINARY_DIR}/prefix-${tag}/kdad.service")
-configure_file("${KDAD_SOURCE_DIR}/systemd/kdad.service.in" "${unit}" @ONLY)
+set(units)
+foreach(name kdad.service kdad@.service)
+  configure_file("${KDAD_SOURCE_DIR}/systemd/${name}.in" "${KDAD_BINARY_DIR}/prefix-${tag}/${name}"
+                 @ONLY)
+  list(APPEND units "${KDAD_BINARY_DIR}/prefix-${tag}/${name}")
+endforeach()
 
-file(INSTALL "${unit}" "${KDAD_SOURCE_DIR}/systemd/kdad.socket" DESTINATION "${unitdir}"
+file(INSTALL ${units} "${KDAD_SOURCE_DIR}/systemd/kdad.socket"
+     "${KDAD_SOURCE_DIR}/systemd/kdad@.socket" DESTINATION "${unitdir}"
      FILE_PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
 file(INSTALL "${KDAD_SOURCE_DIR}/systemd/kdad.sysusers" DESTINATION "${sysusersdir}"
      RENAME kdad.conf FILE_PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)

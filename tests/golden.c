@@ -26,7 +26,7 @@ int golden_list(const char *dir, char ***paths, char *err, size_t errlen)
 {
     DIR *d = opendir(dir);
     if (!d) {
-        snprintf(err, errlen, "golden folder %s is missing (set -DKDAD_GOLDEN_DIR=...)", dir);
+        snprintf(err, errlen, "golden folder %s is missing (build the kda_golden_cases target, or set KDAD_GOLDEN_DIR)", dir);
         return -1;
     }
     char **list = NULL;

@@ -89,6 +89,11 @@ static pid_t spawn(char *const argv[], const char *out, const char *err)
 
 bool kdad_start(kdad_proc *d, int heads, const char *config_yaml)
 {
+    return kdad_start_on(d, "cpu", heads, config_yaml);
+}
+
+bool kdad_start_on(kdad_proc *d, const char *backend, int heads, const char *config_yaml)
+{
     memset(d, 0, sizeof(*d));
     snprintf(d->dir, sizeof(d->dir), "/tmp/kdad-e2e-XXXXXX");
     if (!mkdtemp(d->dir))
@@ -98,7 +103,8 @@ bool kdad_start(kdad_proc *d, int heads, const char *config_yaml)
     char conf[96], hs[16];
     snprintf(conf, sizeof(conf), "%s/kdad.yaml", d->dir);
     snprintf(hs, sizeof(hs), "%d", heads);
-    char *argv[16] = {(char *)build_path("daemon/kdad"), "--socket", d->sock, "--backend", "cpu",
+    char *argv[16] = {(char *)build_path("daemon/kdad"), "--socket", d->sock, "--backend",
+                      (char *)backend,
                       "--heads", hs, "--slots", "64", "--log-level", "notice", NULL};
     if (config_yaml) {
         FILE *f = fopen(conf, "w");

@@ -20,6 +20,8 @@ typedef struct kdad_proc {
  * socket, with config_yaml (may be NULL) as its --config file, and waits
  * until it answers hello.  False (and the log printed) when it does not. */
 bool kdad_start(kdad_proc *d, int heads, const char *config_yaml);
+/* The same with --backend `backend` ("cpu", "cuda"). */
+bool kdad_start_on(kdad_proc *d, const char *backend, int heads, const char *config_yaml);
 /* SIGTERM, and waits for the drain; returns the exit status (-1: it had to
  * be killed or did not exit normally).  Removes the folder. */
 int kdad_stop(kdad_proc *d);

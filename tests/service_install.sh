@@ -2,13 +2,17 @@
 # service_install.sh MODE BUILD_DIR SOURCE_DIR - kdad installed as a system service.
 #
 #   layout  `cmake --install --prefix /usr` into a DESTDIR: every file where an operator and
-#           systemd expect it, the unit configured for that prefix, the installed kdad
-#           accepting the installed configuration, and a reinstall that keeps an edited
-#           /etc/kdad/kdad.yaml.  Another prefix configures the unit for itself.
+#           systemd expect it, the units (kdad.service and the kdad@.service template)
+#           configured for that prefix, the installed kdad accepting the installed
+#           configuration, and a reinstall that keeps an edited /etc/kdad/kdad.yaml.
+#           Another prefix configures the units for itself.
 #   units   the installed units through systemd's own tools, offline: systemd-analyze
-#           verify (any warning fails; man: links checked when man(1) is present, the man
-#           pages linted when groff is), systemd-analyze security (exposure at most 2.0),
-#           systemd-sysusers and systemd-tmpfiles applied to the DESTDIR as a root.
+#           verify of kdad.service and of the template's instances kdad@0 and
+#           kdad@GPU-<uuid> with their sockets (any warning fails; man: links checked when
+#           man(1) is present, the man pages linted when groff is), systemd-analyze security
+#           (exposure at most 2.0, each), the template's settings equal to the plain unit's
+#           but for the instance's own, systemd-sysusers and systemd-tmpfiles applied to
+#           the DESTDIR as a root.
 #           Exits 77 (skipped) and says so when these tools are not installed.
 set -euo pipefail
 mode=$1 build=$(realpath "$2") src=$(realpath "$3")
@@ -37,21 +41,22 @@ layout)
   [ ! -e "$dest/usr/bin/kdad" ] || fail "kdad belongs in sbin, not bin"
   for f in usr/include/kdaclient.h etc/kdad/kdad.yaml usr/share/man/man8/kdad.8 \
            usr/share/man/man1/kdactl.1 usr/share/doc/kdad/daemon.md \
-           usr/share/doc/kdad/client.md usr/share/doc/kdad/PROTOCOL.md \
-           usr/share/doc/kdad/kdad.yaml; do
+           usr/share/doc/kdad/client.md usr/share/doc/kdad/kda.md usr/share/doc/kdad/PROTOCOL.md \
+           usr/share/doc/kdad/kdad.yaml usr/share/bash-completion/completions/kdactl \
+           usr/share/zsh/vendor-completions/_kdactl; do
     [ -f "$dest/$f" ] || fail "$f is not installed"
   done
   pc=$(find "$dest/usr" -name kdaclient.pc)
   [ -n "$pc" ] || fail "kdaclient.pc is not installed"
   [ -n "$(find "$dest/usr" -name libkdaclient.so.0)" ] || fail "libkdaclient.so.0 is not installed"
   PKG_CONFIG_PATH=$(dirname "$pc") pkg-config --exists kdaclient || fail "kdaclient.pc is unusable"
-  for f in "$unitdir/kdad.service" "$unitdir/kdad.socket" "$sysusersdir/kdad.conf" \
-           "$tmpfilesdir/kdad.conf"; do
+  for f in "$unitdir/kdad.service" "$unitdir/kdad.socket" "$unitdir/kdad@.service" \
+           "$unitdir/kdad@.socket" "$sysusersdir/kdad.conf" "$tmpfilesdir/kdad.conf"; do
     [ -f "$f" ] || fail "${f#"$dest"} is not installed"
   done
   cmp -s "$dest/etc/kdad/kdad.yaml" "$src/config/kdad.yaml" ||
     fail "/etc/kdad/kdad.yaml is not the documented default"
-  for f in kdad.socket; do
+  for f in kdad.socket kdad@.socket; do
     cmp -s "$unitdir/$f" "$src/systemd/$f" || fail "$f differs from the source"
   done
   cmp -s "$sysusersdir/kdad.conf" "$src/systemd/kdad.sysusers" || fail "sysusers.d/kdad.conf"
@@ -62,6 +67,16 @@ layout)
     fail "ExecStart of the unit: $(grep ExecStart= "$unit")"
   ! grep -q '@[A-Z_]*@' "$unit" || fail "unsubstituted variables in kdad.service"
   grep -qx 'ListenStream=/run/kdad/kdad.sock' "$unitdir/kdad.socket" || fail "socket path"
+  # The template: GPU %i on its own socket, the shared configuration unless the instance's
+  # environment file names another, and that file's flags.
+  tunit=$unitdir/kdad@.service
+  grep -qx 'ExecStart=/usr/sbin/kdad --config ${KDAD_CONFIG} --backend cuda --device %i $KDAD_ARGS' \
+    "$tunit" || fail "ExecStart of the template: $(grep ExecStart= "$tunit")"
+  grep -qx 'Environment=KDAD_CONFIG=/etc/kdad/kdad.yaml' "$tunit" || fail "template: KDAD_CONFIG"
+  grep -qx 'EnvironmentFile=-/etc/kdad/kdad-%i.env' "$tunit" || fail "template: EnvironmentFile"
+  grep -qx 'Requires=kdad@%i.socket' "$tunit" || fail "template: its socket"
+  ! grep -q '@[A-Z_]*@' "$tunit" || fail "unsubstituted variables in kdad@.service"
+  grep -qx 'ListenStream=/run/kdad/kdad-%i.sock' "$unitdir/kdad@.socket" || fail "template socket"
   out=$("$dest/usr/sbin/kdad" --check-config "$dest/etc/kdad/kdad.yaml" 2>&1) ||
     fail "the installed kdad refuses the installed configuration: $out"
 
@@ -87,6 +102,11 @@ layout)
   ounit=$(find "$other" -name kdad.service)
   grep -qx 'ExecStart=/opt/kdad/sbin/kdad --config /etc/opt/kdad/kdad/kdad.yaml' "$ounit" ||
     fail "prefix /opt/kdad: $(grep ExecStart= "$ounit")"
+  ounit=$(find "$other" -name 'kdad@.service')
+  grep -q '^ExecStart=/opt/kdad/sbin/kdad ' "$ounit" &&
+    grep -qx 'Environment=KDAD_CONFIG=/etc/opt/kdad/kdad/kdad.yaml' "$ounit" &&
+    grep -qx 'EnvironmentFile=-/etc/opt/kdad/kdad/kdad-%i.env' "$ounit" ||
+    fail "prefix /opt/kdad: the template: $(grep -E '^(ExecStart|Environment)' "$ounit")"
   echo "service_install layout: ok"
   ;;
 units)
@@ -98,15 +118,33 @@ units)
   # links are checked when man(1) is present (MANPATH: the DESTDIR's pages).
   check=$root/check
   mkdir "$check"
-  sed "s|^ExecStart=/usr/sbin/kdad |ExecStart=$dest/usr/sbin/kdad |" "$unitdir/kdad.service" \
-    >"$check/kdad.service"
-  cp "$unitdir/kdad.socket" "$check/kdad.socket"
+  # The template is verified through instances (an ordinal, a UUID), as systemd loads it.
+  for unit in kdad.service kdad@.service; do
+    sed "s|^ExecStart=/usr/sbin/kdad |ExecStart=$dest/usr/sbin/kdad |" "$unitdir/$unit" \
+      >"$check/$unit"
+  done
+  cp "$unitdir/kdad.socket" "$unitdir/kdad@.socket" "$check/"
   man=no
   if command -v man >/dev/null; then man=yes; else echo "note: man(1) absent, man: links unchecked"; fi
-  if ! out=$(MANPATH=$dest/usr/share/man systemd-analyze verify --man=$man \
-               "$check/kdad.service" "$check/kdad.socket" 2>&1) || [ -n "$out" ]; then
-    fail "systemd-analyze verify: $out"
-  fi
+  uuid=GPU-5a1c0e1e-0000-1111-2222-333344445555
+  for pair in "kdad.service kdad.socket" "kdad@0.service kdad@0.socket" \
+              "kdad@$uuid.service kdad@$uuid.socket"; do
+    set -- $pair
+    if ! out=$(MANPATH=$dest/usr/share/man systemd-analyze verify --man=$man \
+                 "$check/$1" "$check/$2" 2>&1) || [ -n "$out" ]; then
+      fail "systemd-analyze verify $1: $out"
+    fi
+  done
+  # No drift: the template's settings are the plain unit's, but for the instance's own.
+  settings() {  # the unit's settings, comments and the instance's own lines left out
+    grep -v -e '^#' -e '^$' -e '^Description=' -e '^Requires=' -e '^Also=' -e '^ExecStart=' \
+      -e '^Environment' -e '^After=kdad' "$1"
+  }
+  diff <(settings "$check/kdad.service") <(settings "$check/kdad@.service") >"$root/drift" ||
+    fail "kdad@.service and kdad.service differ beyond the instance: $(cat "$root/drift")"
+  diff <(grep -v -e '^#' -e '^Description=' -e '^ListenStream=' "$check/kdad.socket") \
+       <(grep -v -e '^#' -e '^Description=' -e '^ListenStream=' "$check/kdad@.socket") \
+       >"$root/drift" || fail "kdad@.socket and kdad.socket differ: $(cat "$root/drift")"
   # The man pages the units point to: no groff warning (when groff is there to ask).
   if command -v groff >/dev/null; then
     for page in man8/kdad.8 man1/kdactl.1; do
@@ -116,10 +154,12 @@ units)
   else
     echo "note: groff absent, man pages not linted"
   fi
-  if ! out=$(systemd-analyze security --offline=true --threshold=20 "$check/kdad.service" 2>&1); then
-    fail "systemd-analyze security: exposure above 2.0: $(echo "$out" | tail -1)"
-  fi
-  echo "$out" | tail -1
+  for unit in kdad.service kdad@0.service; do
+    if ! out=$(systemd-analyze security --offline=true --threshold=20 "$check/$unit" 2>&1); then
+      fail "systemd-analyze security $unit: exposure above 2.0: $(echo "$out" | tail -1)"
+    fi
+    echo "$out" | tail -1
+  done
 
   # sysusers.d and tmpfiles.d applied to the DESTDIR as if it were the root file system.
   systemd-sysusers --root="$dest" >/dev/null 2>&1 || fail "systemd-sysusers --root failed"

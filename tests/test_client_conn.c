@@ -248,6 +248,59 @@ static void test_default_socket(void **state)
     assert_int_equal(fake_stop(s), 0);
 }
 
+/* One kdad per GPU: kdad-N.sock in $XDG_RUNTIME_DIR if it exists, else in /run/kdad;
+ * $KDAD_GPU picks it for the default rule, below $KDAD_SOCKET. */
+static void test_socket_for_gpu(void **state)
+{
+    char buf[KDAC_PATH_MAX];
+    char dir[] = "/tmp/kdac-test-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    unsetenv("XDG_RUNTIME_DIR");
+    assert_int_equal(kdac_socket_for_gpu("1", buf, sizeof(buf)), KDAC_OK);
+    assert_string_equal(buf, "/run/kdad/kdad-1.sock");
+    const char *uuid = "GPU-5a1c0e1e-0000-1111-2222-333344445555";
+    assert_int_equal(kdac_socket_for_gpu(uuid, buf, sizeof(buf)), KDAC_OK);
+    assert_string_equal(buf, "/run/kdad/kdad-GPU-5a1c0e1e-0000-1111-2222-333344445555.sock");
+    static const char *const bad[] = {"", "../x", "1/2", "a b", "1.sock",
+        "0123456789012345678901234567890123456789012345678901234567890123456789"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        assert_int_equal(kdac_socket_for_gpu(bad[i], buf, sizeof(buf)), KDAC_E_INVALID_ARGUMENT);
+    assert_int_equal(kdac_socket_for_gpu(NULL, buf, sizeof(buf)), KDAC_E_INVALID_ARGUMENT);
+    assert_int_equal(kdac_socket_for_gpu("1", buf, 16), KDAC_E_INVALID_ARGUMENT);
+
+    /* a user instance: its socket exists under $XDG_RUNTIME_DIR */
+    setenv("XDG_RUNTIME_DIR", dir, 1);
+    char user[128];
+    snprintf(user, sizeof(user), "%s/kdad-1.sock", dir);
+    assert_int_equal(kdac_socket_for_gpu("1", buf, sizeof(buf)), KDAC_OK);
+    assert_string_equal(buf, "/run/kdad/kdad-1.sock");
+    FILE *f = fopen(user, "w");
+    fclose(f);
+    assert_int_equal(kdac_socket_for_gpu("1", buf, sizeof(buf)), KDAC_OK);
+    assert_string_equal(buf, user);
+    assert_int_equal(kdac_socket_for_gpu("0", buf, sizeof(buf)), KDAC_OK);
+    assert_string_equal(buf, "/run/kdad/kdad-0.sock");
+
+    /* the default rule: $KDAD_SOCKET, then $KDAD_GPU, then kdad.sock */
+    setenv("KDAD_GPU", "1", 1);
+    assert_int_equal(kdac_socket_default(buf, sizeof(buf)), KDAC_OK);
+    assert_string_equal(buf, user);
+    setenv("KDAD_SOCKET", "/somewhere/k.sock", 1);
+    assert_int_equal(kdac_socket_default(buf, sizeof(buf)), KDAC_OK);
+    assert_string_equal(buf, "/somewhere/k.sock");
+    unsetenv("KDAD_SOCKET");
+    setenv("KDAD_GPU", "../etc", 1);
+    assert_int_equal(kdac_socket_default(buf, sizeof(buf)), KDAC_E_INVALID_ARGUMENT);
+    kdac_client *c = NULL;
+    kdac_error err;
+    assert_int_equal(kdac_client_open(&c, NULL, &err), KDAC_E_INVALID_ARGUMENT);
+    assert_contains(err.message, "KDAD_GPU");
+    unsetenv("KDAD_GPU");
+    unlink(user);
+    rmdir(dir);
+    unsetenv("XDG_RUNTIME_DIR");
+}
+
 static void test_bad_options(void **state)
 {
     kdac_options o;
@@ -290,7 +343,7 @@ static void test_error_table(void **state)
     assert_string_equal(kdac_strerror(-77), "unknown error code");
     assert_false(kdac_err_retryable(-77));
     assert_int_equal(kdac_version(), KDAC_VERSION_HEX);
-    assert_string_equal(kdac_version_string(), "0.1.0");
+    assert_string_equal(kdac_version_string(), KDAD_VERSION);
 }
 
 int main(void)
@@ -299,7 +352,8 @@ int main(void)
         cmocka_unit_test(test_hello_info),        cmocka_unit_test(test_not_running),
         cmocka_unit_test(test_version_mismatch),  cmocka_unit_test(test_not_kdad),
         cmocka_unit_test(test_hello_timeout),     cmocka_unit_test(test_permission_denied),
-        cmocka_unit_test(test_default_socket),    cmocka_unit_test(test_bad_options),
+        cmocka_unit_test(test_default_socket),
+        cmocka_unit_test(test_socket_for_gpu),    cmocka_unit_test(test_bad_options),
         cmocka_unit_test(test_error_table),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

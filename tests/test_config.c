@@ -83,6 +83,13 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.output_hard_limit, KD_DEFAULT_OUTPUT_HARD_LIMIT);
     assert_int_equal(c.output_soft_limit, KD_DEFAULT_OUTPUT_SOFT_LIMIT);
     assert_int_equal(c.output_soft_seconds, KD_DEFAULT_OUTPUT_SOFT_SECONDS);
+    assert_true(c.max_output_bytes_per_uid == half_ram / 4);
+    assert_true(c.max_output_bytes_total == half_ram / 2);
+    assert_true(c.max_region_bytes_per_connection > 0 &&
+                c.max_region_bytes_per_connection <= half_ram / 2);
+    assert_true(c.max_region_bytes_per_uid == 2 * c.max_region_bytes_per_connection);
+    assert_int_equal(c.frame_stall_seconds, KD_DEFAULT_FRAME_STALL_SECONDS);
+    assert_int_equal(c.output_stall_seconds, KD_DEFAULT_OUTPUT_STALL_SECONDS);
     assert_true(c.transport_shm && c.transport_cuda_ipc);
     assert_int_equal(c.nlayers, 0);
     assert_int_equal(c.log_level, KD_LOG_INFO);
@@ -102,7 +109,9 @@ static void test_builtin_default(void **unused)
         "max_queued_requests:", "spin_us:", "hold_while_busy:", "hold_fill_percent:",
         "hold_max_us:", "clients:", "max_connections:", "max_connections_per_uid:",
         "max_inflight_bytes_per_uid:", "max_inflight_bytes_total:", "output_hard_limit:",
-        "output_soft_limit:", "output_soft_seconds:", "transports:", "shm:", "cuda_ipc:",
+        "output_soft_limit:", "output_soft_seconds:", "max_output_bytes_per_uid:",
+        "max_output_bytes_total:", "max_region_bytes_per_connection:", "max_region_bytes_per_uid:",
+        "frame_stall_seconds:", "output_stall_seconds:", "transports:", "shm:", "cuda_ipc:",
         "layers:", "lower_bound:", "scale:", "A_log:", "dt_bias:", "file:", "log:", "level:",
         "metrics:", "prometheus_file:", "interval_ms:", "drain_timeout_ms:"};
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
@@ -296,9 +305,34 @@ static void test_overrides_and_files(void **unused)
     assert_int_equal(c.backend, KD_BACKEND_CPU);
     assert_int_equal(c.heads, 12);
     assert_int_equal(c.slots, 9);
-    assert_int_equal(c.device, 1);
+    assert_string_equal(c.device, "1");
     assert_int_equal(c.state_dtype, KP_DTYPE_BF16);
     assert_string_equal(c.socket_path, "/tmp/o.sock");
+    kd_config_free(&c);
+
+    /* device: an ordinal, a UUID or a prefix of one (the backend resolves it) */
+    static const char *const devices[] = {"0", "1023", "GPU-5a1c0e1e-0000-1111-2222-333344445555",
+                                          "GPU-5A1C", "GPU-5a1c0e1e-", "GPU-5"};
+    for (size_t i = 0; i < sizeof(devices) / sizeof(devices[0]); i++) {
+        kd_config_overrides d = {.device = devices[i]};
+        assert_int_equal(kd_config_load(&c, NULL, &d, err, sizeof(err)), 0);
+        assert_string_equal(c.device, devices[i]);
+        kd_config_free(&c);
+    }
+    static const char *const bad_devices[] = {"1024", "-1", "GPU-", "gpu-5a1c", "GPU--5a",
+                                              "GPU-xyz", "MIG-5a1c", "0x1", "1 ", "",
+                                              "GPU-5a1c0e1e-0000-1111-2222-3333444455556"};
+    for (size_t i = 0; i < sizeof(bad_devices) / sizeof(bad_devices[0]); i++) {
+        kd_config_overrides d = {.device = bad_devices[i]};
+        assert_int_equal(kd_config_load(&c, NULL, &d, err, sizeof(err)), -1);
+        char want[256];
+        snprintf(want, sizeof(want), "--device: \"%s\" is neither a CUDA ordinal in [0, 1023] "
+                 "nor a GPU UUID (GPU-xxxxxxxx-xxxx-..., or a unique prefix of one)",
+                 bad_devices[i]);
+        assert_string_equal(err, want);
+    }
+    assert_int_equal(load(&c, "device: GPU-0a1b2c3d\n"), 0);
+    assert_string_equal(c.device, "GPU-0a1b2c3d");
     kd_config_free(&c);
 
     kd_config_overrides bad = {.heads = "0"};

@@ -38,6 +38,9 @@ typedef struct fixture {
     kd_disconnect reason;
     int frees;
     bool pause_each;                /* on_frame pauses the connection */
+    int64_t partial;                /* the sum of on_partial's deltas */
+    int64_t partial_at_frame;       /* ... when the last frame was delivered */
+    int64_t output, output_peak;    /* the sum of on_output's deltas, and its peak */
 } fixture;
 
 static void on_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_ns)
@@ -47,6 +50,7 @@ static void on_frame(kd_conn *c, uint8_t *body, size_t len, uint64_t arrival_ns)
     assert_true(f->nframes < MAX_FRAMES);
     f->frames[f->nframes] = body;
     f->lens[f->nframes++] = len;
+    f->partial_at_frame = f->partial;
     if (f->pause_each)
         kd_conn_pause(c);
 }
@@ -72,7 +76,25 @@ static void on_free(kd_conn *c)
     f->c = NULL;
 }
 
-static const kd_conn_handlers handlers = {on_frame, on_error, on_close, on_free};
+static void on_partial(kd_conn *c, int64_t delta)
+{
+    fixture *f = c->data;
+    f->partial += delta;
+    assert_true(f->partial >= 0);
+    assert_int_equal(f->partial, (int64_t)c->partial);
+}
+
+static void on_output(kd_conn *c, int64_t delta)
+{
+    fixture *f = c->data;
+    f->output += delta;
+    assert_true(f->output >= 0);
+    if (f->output > f->output_peak)
+        f->output_peak = f->output;
+}
+
+static const kd_conn_handlers handlers = {on_frame, on_error, on_close, on_free, on_partial,
+                                          on_output};
 
 static int setup(void **state)
 {
@@ -81,7 +103,8 @@ static int setup(void **state)
     kd_transport_limits lim = {
         .output_hard = 1 << 20, .output_soft = 1 << 19, .output_soft_ns = 1000000000ull,
         .close_flush_ns = 1000000000ull, .read_budget = 1 << 20, .write_budget = 1 << 20,
-        .read_buffer = 4096, .spin_us = 0,
+        .read_buffer = 4096, .spin_us = 0, .frame_stall_ns = 60000000000ull,
+        .output_stall_ns = 60000000000ull,
     };
     kd_transport_init(&f->t, &f->loop, &handlers, &lim);
     int sv[2];
@@ -105,6 +128,8 @@ static int teardown(void **state)
     for (int i = 0; i < 100 && f->frees == 0; i++)
         uv_run(&f->loop, UV_RUN_NOWAIT);
     assert_int_equal(f->frees, 1);
+    assert_int_equal(f->partial, 0); /* everything reported was given back */
+    assert_int_equal(f->output, 0);
     kd_transport_close(&f->t);
     uv_run(&f->loop, UV_RUN_DEFAULT);
     assert_int_equal(uv_loop_close(&f->loop), 0);
@@ -380,6 +405,85 @@ static void test_peer_closes(void **state)
     assert_int_equal(f->t.nopen, 0);
 }
 
+/* The bytes held for a frame still arriving are reported as they grow, and
+ * given back before the frame is delivered. */
+static void test_partial_accounting(void **state)
+{
+    fixture *f = *state;
+    kd_conn_set_max_frame(f->c, 1 << 20);
+    size_t n = 200000;
+    uint8_t *buf = calloc(1, 4 + n);
+    buf[1] = (uint8_t)(n >> 16);
+    buf[2] = (uint8_t)(n >> 8);
+    buf[3] = (uint8_t)n;
+    size_t off = 0;
+    while (off < 4 + n / 2) { /* the first half */
+        ssize_t w = write(f->peer, buf + off, 4 + n / 2 - off);
+        if (w > 0)
+            off += (size_t)w;
+        turn(f, 1);
+    }
+    turn(f, 3);
+    assert_int_equal(f->nframes, 0);
+    assert_true(f->partial >= (int64_t)(n / 2) && f->partial <= (int64_t)n);
+    while (off < 4 + n) {
+        ssize_t w = write(f->peer, buf + off, 4 + n - off);
+        if (w > 0)
+            off += (size_t)w;
+        turn(f, 1);
+    }
+    turn(f, 3);
+    assert_int_equal(f->nframes, 1);
+    assert_int_equal(f->partial_at_frame, 0);
+    assert_int_equal(f->partial, 0);
+    free(buf);
+}
+
+/* A frame begun and left: closed after frame_stall_ns (reason stalled), its
+ * bytes given back. */
+static void test_frame_stall(void **state)
+{
+    fixture *f = *state;
+    f->t.lim.frame_stall_ns = 50000000; /* 50 ms */
+    static const uint8_t part[] = {0, 0, 0, 100, 0x94, 0};
+    put(f, part, sizeof(part));
+    turn(f, 3);
+    assert_true(f->partial > 0);
+    kd_transport_housekeeping(&f->t, uv_hrtime());
+    assert_int_equal(f->closes, 0); /* not yet */
+    usleep(80000);
+    kd_transport_housekeeping(&f->t, uv_hrtime());
+    assert_int_equal(f->closes, 1);
+    assert_int_equal(f->reason, KD_DISC_STALLED);
+    assert_int_equal(f->partial, 0);
+}
+
+/* Output nobody takes: closed after output_stall_ns; idle connections are not. */
+static void test_output_stall(void **state)
+{
+    fixture *f = *state;
+    f->t.lim.output_stall_ns = 50000000;
+    usleep(80000);
+    kd_transport_housekeeping(&f->t, uv_hrtime());
+    assert_int_equal(f->closes, 0); /* idle, nothing queued: stays */
+    int small = 4096;
+    assert_int_equal(setsockopt(f->c->fd, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
+    kd_conn_set_max_frame(f->c, 1 << 20);
+    for (int i = 0; i < 2000 && !f->c->out_head; i++) {
+        kd_out *o = kd_out_new(f->c);
+        kp_error e;
+        assert_int_equal(kp_goodbye_encode(&o->w, &(kp_error){KP_E_INTERNAL, false, "filler"},
+                                           &e), KP_OK);
+        kd_conn_send(f->c, o);
+    }
+    assert_non_null(f->c->out_head);
+    assert_true(f->output > 0 && f->output == (int64_t)f->c->out_bytes);
+    usleep(80000);
+    kd_transport_housekeeping(&f->t, uv_hrtime());
+    assert_int_equal(f->closes, 1);
+    assert_int_equal(f->reason, KD_DISC_STALLED);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -391,6 +495,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_too_many_descriptors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_output_hard_limit, setup, teardown),
         cmocka_unit_test_setup_teardown(test_peer_closes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_partial_accounting, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_frame_stall, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_output_stall, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,8 +3,9 @@
  * process) holds q/k/v/g/beta and the output in device memory, registers it
  * (a cudaMalloc allocation by its IPC handle, or a VMM allocation by the
  * POSIX fd it exports), and the kernel reads and writes it in place.  The
- * result must equal the inline path bit for bit.  Exits 77 (a skip) without
- * a usable GPU.
+ * result must equal the inline path bit for bit.  Also the daemon's GPU as
+ * hello names it (UUID, PCI bus id), memory on another GPU refused, and
+ * `device:` given as a UUID prefix.  Exits 77 (a skip) without a usable GPU.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,6 +13,7 @@
 
 #include <cmocka.h>
 
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -278,6 +280,109 @@ static void region_prefill_matches_inline(bool vmm)
     dh_stop(&d);
 }
 
+/* The daemon's GPU as the CUDA runtime of this process sees device `index`. */
+static void gpu_ids(int index, char *uuid, size_t usize, char *pci, size_t psize)
+{
+    struct cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, index));
+    const unsigned char *b = (const unsigned char *)prop.uuid.bytes;
+    snprintf(uuid, usize, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+             b[13], b[14], b[15]);
+    CUDA_OK(cudaDeviceGetPCIBusId(pci, (int)psize, index));
+    for (char *p = pci; *p; p++)
+        *p = (char)tolower((unsigned char)*p);
+}
+
+/* hello names the GPU by UUID and PCI bus id; memory on another GPU is refused, both by a
+ * UUID that is not the daemon's and (with two GPUs) by a real allocation on the other one. */
+static void test_other_gpu_refused(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    char uuid[KP_TEXT_MAX], want_uuid[64], pci[32];
+    dh_start_or_skip(&d, yaml);
+    dh_connect(&c, &d);
+    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "cuda_ipc test"};
+    uint32_t id = dh_id(&c);
+    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    kp_hello_result r;
+    assert_int_equal(kp_hello_result_decode(&c.msg, &r, NULL), KP_OK);
+    assert_true(r.has_gpu);
+    gpu_ids(0, want_uuid, sizeof(want_uuid), pci, sizeof(pci));
+    assert_string_equal(r.gpu.uuid, want_uuid);
+    assert_int_equal(r.gpu.index, 0);
+    assert_non_null(r.gpu.pci_bus_id);
+    assert_string_equal(r.gpu.pci_bus_id, pci);
+    snprintf(uuid, sizeof(uuid), "%s", r.gpu.uuid);
+    kp_session_from_hello(&c.session, &r);
+
+    dev_mem mem;
+    dev_alloc(&mem, 2u << 20, false);
+    /* a UUID of no GPU of this daemon; the region stays unregistered */
+    register_mem(&c, "GPU-00000000-0000-0000-0000-000000000000", &mem, 2u << 20,
+                 KP_E_REGION_INVALID, "is not this daemon's GPU");
+    register_mem(&c, uuid, &mem, 2u << 20, KP_OK, NULL);
+    dev_free(&mem);
+    int n = 0;
+    CUDA_OK(cudaGetDeviceCount(&n));
+    if (n >= 2) {
+        char other[64], other_pci[32];
+        gpu_ids(1, other, sizeof(other), other_pci, sizeof(other_pci));
+        CUDA_OK(cudaSetDevice(1));
+        dev_alloc(&mem, 2u << 20, false);
+        register_mem(&c, other, &mem, 2u << 20, KP_E_REGION_INVALID, "is not this daemon's GPU");
+        dev_free(&mem);
+        CUDA_OK(cudaSetDevice(0));
+    } else {
+        fprintf(stderr, "note: one GPU: a real allocation on another GPU is not tried\n");
+    }
+    dh_close(&c);
+    dh_stop(&d);
+}
+
+/* device: a UUID prefix picks that GPU; one that matches no GPU stops kdad (69), naming it. */
+static void test_device_by_uuid(void **unused)
+{
+    char want_uuid[64], pci[32], conf[256];
+    gpu_ids(0, want_uuid, sizeof(want_uuid), pci, sizeof(pci));
+    snprintf(conf, sizeof(conf), "%sdevice: %.12s\n", yaml, want_uuid);
+    dh_daemon d;
+    dh_client c;
+    dh_start_or_skip(&d, conf);
+    dh_connect(&c, &d);
+    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "cuda_ipc test"};
+    uint32_t id = dh_id(&c);
+    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    kp_hello_result r;
+    assert_int_equal(kp_hello_result_decode(&c.msg, &r, NULL), KP_OK);
+    assert_string_equal(r.gpu.uuid, want_uuid);
+    assert_int_equal(r.gpu.index, 0);
+    dh_close(&c);
+    dh_stop(&d);
+
+    snprintf(conf, sizeof(conf), "%sdevice: GPU-0123456789abcdef0123456789abcdef\n", yaml);
+    if (strncmp(want_uuid, "GPU-0123456789ab", 16) == 0)
+        return; /* (that would be this GPU) */
+    dh_spawn(&d, conf);
+    char *log = NULL;
+    for (int i = 0; i < 6000; i++) { /* the message comes before the exit */
+        free(log);
+        log = dh_log(&d);
+        if (strstr(log, "no GPU has this UUID"))
+            break;
+        usleep(10000);
+    }
+    if (!strstr(log, "no GPU has this UUID") || !strstr(log, want_uuid))
+        fail_msg("kdad's log does not name the missing GPU and those present:\n%s", log);
+    free(log);
+    dh_expect_exit(&d, 69);
+}
+
 static void test_ipc_matches_inline(void **unused)
 {
     region_prefill_matches_inline(false);
@@ -302,6 +407,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_ipc_matches_inline, dh_teardown),
         cmocka_unit_test_teardown(test_vmm_matches_inline, dh_teardown),
+        cmocka_unit_test_teardown(test_other_gpu_refused, dh_teardown),
+        cmocka_unit_test_teardown(test_device_by_uuid, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

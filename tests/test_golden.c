@@ -2,7 +2,7 @@
  * test_golden.c - every golden case through the float64 oracle and the CPU
  * backend (fp32 and bf16 pools).
  *
- * Contract (../shared/golden/README.md): the oracle must match expected_* to
+ * Contract (docs/kda.md): the oracle must match expected_* to
  * 1e-6 relative; a backend's output and final-state relative RMS errors must
  * each be at most max(0.005, the fla error recorded in the case).  Each case
  * prints its errors next to fla's and FlashKDA's.

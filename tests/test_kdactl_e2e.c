@@ -233,11 +233,14 @@ static st_file *save_slot(const char *handle, const char *path, const char *dtyp
     return f;
 }
 
+/* A handle as --json prints it: a string, "0x" and 16 hex digits, which `slot` takes back. */
 static char *handle_text(json_object *v)
 {
-    char *s = malloc(32);
-    snprintf(s, 32, "0x%llx", (unsigned long long)json_object_get_uint64(v));
-    return s;
+    assert_true(json_object_is_type(v, json_type_string));
+    const char *s = json_object_get_string(v);
+    assert_int_equal(strlen(s), 18);
+    assert_memory_equal(s, "0x", 2);
+    return strdup(s);
 }
 
 static void test_slot_commands(void **state)
@@ -528,7 +531,8 @@ static void test_progress_bar(void **state)
     char *argv[] = {"/usr/bin/script", "-qec", line, "/dev/null", NULL};
     cmd_result r = cmd_run(argv);
     expect_exit(&r, 0);
-    expect_text(r.out, "\rprefill [");
+    expect_text(r.out, "\rprefill send    [");   /* the bar names the request's phase */
+    expect_text(r.out, "\rprefill receive [");
     expect_text(r.out, "B/s");
     expect_text(r.out, "% ");
     expect_text(r.out, "\r\033[K");
@@ -537,7 +541,7 @@ static void test_progress_bar(void **state)
     /* Without a terminal: no bar. */
     r = kdactl(S, "prefill", "--random", "--tokens", "8192", "--heads", "4", NULL);
     expect_exit(&r, 0);
-    assert_null(strstr(r.err, "prefill ["));
+    assert_null(strstr(r.err, "prefill send"));
     cmd_free(&r);
 }
 

@@ -115,7 +115,7 @@ static void test_uid_quota(void **unused)
     enum { UID_X = 1000, UID_Y = 1001 };
     kd_pool p;
     kp_error e;
-    uint64_t h[8];
+    uint64_t h[12];
     kp_limits lim = {.max_slots_per_client = 4, .max_slots_per_uid = 5};
     assert_int_equal(kd_pool_init(&p, 12, 3), KP_OK);
     /* two connections of uid X: 3 + 2 slots, then nothing more for either */

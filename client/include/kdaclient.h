@@ -102,6 +102,8 @@ KDAC_EXPORT const char *kdac_version_string(void);
 /* The system service's socket, and the user instance's (under $XDG_RUNTIME_DIR). */
 #define KDAC_SYSTEM_SOCKET "/run/kdad/kdad.sock"
 #define KDAC_USER_SOCKET_NAME "kdad.sock"
+/* One kdad per GPU (kdad@GPU.service): /run/kdad/kdad-GPU.sock (kdac_socket_for_gpu). */
+#define KDAC_SYSTEM_SOCKET_DIR "/run/kdad"
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -239,7 +241,7 @@ static inline kdac_output kdac_output_region(uint32_t region, uint64_t offset)
 typedef struct kdac_client kdac_client;
 
 typedef struct kdac_options {
-    const char *socket_path; /* NULL: $KDAD_SOCKET if set, else kdac_socket_default() */
+    const char *socket_path; /* NULL: kdac_socket_default() ($KDAD_SOCKET, $KDAD_GPU, ...) */
     const char *client_name; /* sent in hello for the daemon's logs; NULL: "libkdaclient/0.1.0" */
     int timeout_ms;          /* limit for each blocking call (and open); 0: wait forever.
                                 A blocking call that times out closes the connection, since
@@ -251,10 +253,22 @@ KDAC_EXPORT void kdac_options_init(kdac_options *opts);
 
 /*
  * The socket path a client uses when the options name none, in buf:
- * $KDAD_SOCKET if set, else $XDG_RUNTIME_DIR/kdad.sock if that exists, else
- * /run/kdad/kdad.sock.  KDAC_E_INVALID_ARGUMENT if it does not fit in size.
+ * $KDAD_SOCKET if set, else kdac_socket_for_gpu($KDAD_GPU) if that is set,
+ * else $XDG_RUNTIME_DIR/kdad.sock if that exists, else /run/kdad/kdad.sock.
+ * KDAC_E_INVALID_ARGUMENT if it does not fit in size or $KDAD_GPU is not a
+ * valid GPU name.
  */
 KDAC_EXPORT int kdac_socket_default(char *buf, size_t size);
+
+/*
+ * The socket of the kdad instance serving one GPU (one kdad per GPU: the
+ * kdad@.service template), in buf: $XDG_RUNTIME_DIR/kdad-GPU.sock if that
+ * exists (a user instance), else /run/kdad/kdad-GPU.sock.  gpu is the
+ * instance name: a CUDA ordinal ("0", "1", ...) or a GPU UUID, as the unit
+ * kdad@GPU.service names it (1..64 bytes of [A-Za-z0-9-]).
+ * Errors: INVALID_ARGUMENT (a bad name, or the path does not fit in size).
+ */
+KDAC_EXPORT int kdac_socket_for_gpu(const char *gpu, char *buf, size_t size);
 
 /*
  * Connects and runs hello (blocking, bounded by opts->timeout_ms).  On
@@ -300,7 +314,7 @@ typedef struct kdac_server_info {
     char server[KDAC_TEXT_MAX + 1];    /* "kdad 0.1.0" */
     uint64_t instance;                 /* random per daemon start: a change means a restart */
     char backend[8];                   /* "cuda" or "cpu" */
-    bool has_gpu;                      /* the three gpu_* fields are set */
+    bool has_gpu;                      /* the gpu_* fields are set */
     char gpu_name[KDAC_TEXT_MAX + 1];  /* "NVIDIA H200" */
     char gpu_uuid[KDAC_TEXT_MAX + 1];  /* "GPU-xxxxxxxx-..." (what region_register_cuda names) */
     uint32_t gpu_index;                /* CUDA ordinal inside the daemon */
@@ -312,6 +326,8 @@ typedef struct kdac_server_info {
     uint32_t nfeatures;
     char features[KDAC_MAX_FEATURES][KDAC_NAME_MAX + 1];
     kdac_limits limits;
+    char gpu_pci_bus_id[32];           /* "0000:19:00.0" with has_gpu; "" from a daemon that
+                                          does not send it */
 } kdac_server_info;
 
 /* The hello result of this connection; valid until kdac_client_close. */
@@ -804,6 +820,118 @@ KDAC_EXPORT int kdac_region_release(kdac_client *c, uint32_t region, kdac_error 
  * QUOTA_EXCEEDED, SYSTEM.
  */
 KDAC_EXPORT int kdac_ring_attach(kdac_client *c, uint64_t bytes_per_direction, kdac_error *err);
+
+/* ------------------------------------------------------------------------ */
+/* Head-sharded clients: one kdad per GPU, a layer's heads split across them */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Tensor parallelism splits a layer's H heads across N ranks, one kdad per
+ * GPU (kdad@N.service).  A kdac_shard holds one connection per rank; rank r's
+ * daemon serves the heads [first_r, first_r + H_r), H_r being the heads its
+ * hello announces and first_r the sum of the ranks' heads before it (N equal
+ * daemons of H/N heads: rank r has [r*H/N, (r+1)*H/N)).  H is the sum.
+ *
+ * A sharded call gives every rank its slice of the heads, sends to all ranks
+ * before it waits for any, and drives all connections from one poll(2) loop,
+ * so the daemons work concurrently; results are assembled as [.., H, ..].
+ * Each head's recurrence reads and writes that head alone, so a sharded
+ * prefill equals one daemon serving all H heads, bit for bit when the daemons
+ * run the same backend and kernel.
+ *
+ * A sharded slot is one handle per rank: uint64_t[nranks], rank r's at [r].
+ * Tensors are host memory (inline); calls are blocking (bounded by the
+ * options' timeout_ms, after which a late rank's connection is closed).  A
+ * kdac_shard is used from one thread, as a kdac_client is.
+ *
+ * Failures name the rank and its socket ("rank 1 (/run/kdad/kdad-1.sock):
+ * ...").  Calls check every connection before sending anything.  Setting up
+ * is all or none (open, layer registration, slot allocation undo what they
+ * did on the other ranks).  A prefill or slot write that one rank refuses
+ * after others applied it cannot be undone: the error says which ranks
+ * applied it, is not retryable, and rank_status tells each rank's outcome;
+ * positions that then differ between ranks are reported by every later read
+ * or prefill of that slot (POSITION_MISMATCH).  KDAC_SEQ_EXPECT_POS guards a
+ * prefill against slots out of step.
+ */
+typedef struct kdac_shard kdac_shard;
+
+#define KDAC_SHARD_MAX_RANKS 64
+
+/*
+ * Connects to nranks daemons, paths[r] being rank r's socket (e.g. from
+ * kdac_socket_for_gpu), each with opts (NULL: defaults; its socket_path is
+ * ignored).  Errors: those of kdac_client_open, naming the rank;
+ * INVALID_ARGUMENT (two paths reach the same daemon, nranks out of 1..64).
+ */
+KDAC_EXPORT int kdac_shard_open(kdac_shard **out, const char *const *paths, uint32_t nranks,
+                                const kdac_options *opts, kdac_error *err);
+/* Closes every connection (their slots are freed unless they persist). NULL: no-op. */
+KDAC_EXPORT void kdac_shard_close(kdac_shard *s);
+KDAC_EXPORT uint32_t kdac_shard_nranks(const kdac_shard *s);
+/* H: all ranks' heads together. */
+KDAC_EXPORT uint32_t kdac_shard_heads(const kdac_shard *s);
+/* The first head rank serves (its count: kdac_client_info(kdac_shard_client(s, rank))->heads). */
+KDAC_EXPORT uint32_t kdac_shard_first_head(const kdac_shard *s, uint32_t rank);
+/* Rank's own connection, for per-rank calls (stats, slot.info); NULL after a timeout closed it. */
+KDAC_EXPORT kdac_client *kdac_shard_client(const kdac_shard *s, uint32_t rank);
+
+/*
+ * Registers a layer of all H heads (A_log [H], dt_bias [H][128]) on every
+ * rank, each with its heads' slice, under the same name: one registration
+ * per rank, as kdac_layer_register takes.  All or none: when a rank refuses,
+ * the ranks before it give back the registration this call took.
+ */
+KDAC_EXPORT int kdac_shard_layer_register(kdac_shard *s, const kdac_layer *layer,
+                                          kdac_error *err);
+/* Gives back one registration of the layer on every rank (kdac_layer_drop on
+ * each; all are tried, the first failure is reported, naming its rank). */
+KDAC_EXPORT int kdac_shard_layer_drop(kdac_shard *s, const char *name, kdac_error *err);
+
+/*
+ * Allocates `count` sharded slots into slots[count * nranks] (slot i's
+ * handles at slots[i * nranks ..]), flags as kdac_slot_alloc.  All or none.
+ */
+KDAC_EXPORT int kdac_shard_slot_alloc(kdac_shard *s, uint32_t count, unsigned flags,
+                                      uint64_t *slots, kdac_error *err);
+/* Frees `count` sharded slots laid out as kdac_shard_slot_alloc fills them. */
+KDAC_EXPORT int kdac_shard_slot_free(kdac_shard *s, const uint64_t *slots, uint32_t count,
+                                     kdac_error *err);
+/*
+ * A sharded slot's state, assembled: [H][128][128] in dtype
+ * (kdac_state_bytes(H, dtype) bytes), each rank's heads read straight into
+ * their place.  *pos (may be NULL): the position, which every rank must
+ * share (else POSITION_MISMATCH naming them).
+ */
+KDAC_EXPORT int kdac_shard_slot_read(kdac_shard *s, const uint64_t *slot, kdac_dtype dtype,
+                                     void *state, uint64_t *pos, kdac_error *err);
+/* Restores an assembled state [H][128][128] and a position into a sharded slot. */
+KDAC_EXPORT int kdac_shard_slot_write(kdac_shard *s, const uint64_t *slot, uint64_t pos,
+                                      kdac_dtype dtype, const void *state, kdac_error *err);
+
+/* One sequence of a sharded prefill: host tensors of all H heads. */
+typedef struct kdac_shard_seq {
+    const uint64_t *slot;  /* a sharded slot: [nranks] handles */
+    uint32_t len;          /* tokens */
+    uint32_t flags;        /* KDAC_SEQ_* */
+    uint64_t expect_pos;   /* with KDAC_SEQ_EXPECT_POS */
+    const void *q, *k, *v, *g; /* bf16 [len][H][128] */
+    const void *beta;          /* bf16 [len][H] */
+    void *out;                 /* bf16 [len][H][128], or NULL to discard */
+} kdac_shard_seq;
+
+/*
+ * A prefill of nseqs sequences, every rank given its heads' slices (copied
+ * out of the [len][H][..] tensors), run concurrently, the outputs gathered
+ * into seqs[i].out as each rank answers.  pos[nseqs] (may be NULL) receives
+ * the slots' new positions; rank_status[nranks] (may be NULL) each rank's
+ * outcome: 0 applied, else its error code (every entry the call's code when
+ * nothing was sent).  Errors: those of kdac_prefill, naming the first rank
+ * that failed (see above for ranks that applied it).
+ */
+KDAC_EXPORT int kdac_shard_prefill(kdac_shard *s, const char *layer, const kdac_shard_seq *seqs,
+                                   uint32_t nseqs, uint64_t *pos, int *rank_status,
+                                   kdac_error *err);
 
 #ifdef __cplusplus
 }

@@ -9,12 +9,16 @@
  * Lengths: fixed (every sequence T tokens), uniform (U[1, 2T-1], mean T),
  * mixed (the packed workload [1300, 547, 2048, 963, 271, 3063] scaled to
  * mean T, cycled).
+ *
+ * Ctrl-C (SIGINT) or SIGTERM stops sending: the requests in flight finish, the results so far
+ * print, the temporary layer is dropped, and kdactl exits 130.  A second Ctrl-C kills it.
  */
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <unistd.h>
@@ -42,7 +46,7 @@ static const char bench_help[] =
     "  -T, --tokens T         mean tokens per sequence (default 1024)\n"
     "  -l, --dist DIST        fixed: all T; uniform: U[1, 2T-1]; mixed: the packed\n"
     "                         workload [1300, 547, 2048, 963, 271, 3063] scaled to mean T\n"
-    "  -S, --seqs S           sequences per request (default 1)\n"
+    "  -N, --seqs N           sequences per request (default 1)\n"
     "  -L, --lengths LIST     every request holds exactly these sequence lengths, e.g.\n"
     "                         1300,547,2048,963,271,3063 (instead of --tokens, --dist\n"
     "                         and --seqs)\n"
@@ -50,8 +54,8 @@ static const char bench_help[] =
     "                         memory, cudaMalloc in multiples of 2 MiB) or cuda-vmm (device\n"
     "                         memory, cuMemCreate); both need a CUDA build and the daemon's\n"
     "                         cuda backend\n"
-    "  -w, --warmup W         untimed requests per connection first (default 1)\n"
-    "  -s, --seed X           seed of inputs and lengths (default 1)\n"
+    "  -W, --warmup W         untimed requests per connection first (default 1)\n"
+    "  -S, --seed X           seed of inputs and lengths (default 1)\n"
     "  -P, --spin US          after each answer, poll the sockets without sleeping for up to\n"
     "                         US microseconds (default 0): no thread wake-up in the latency,\n"
     "                         for a core's time (libkdaclient: kdac_client_set_spin)\n"
@@ -186,8 +190,17 @@ static uint32_t next_len(bench *b, uint32_t j)
     }
 }
 
+static volatile sig_atomic_t interrupted; /* Ctrl-C: stop sending, report, clean up */
+
+static void on_interrupt(int sig)
+{
+    interrupted = sig;
+}
+
 static bool more_to_send(const bench *b)
 {
+    if (interrupted)
+        return false;
     if (b->o.duration > 0)
         return now_s() < b->stop_at;
     return b->sent < b->o.requests;
@@ -489,6 +502,7 @@ static void report(bench *b, double seconds)
         }
         json_object_object_add(o, "tokens_mean", json_u64(b->o.tokens));
         json_object_object_add(o, "align", json_u64(b->o.align));
+        json_object_object_add(o, "interrupted", json_object_new_boolean(interrupted != 0));
         json_object_object_add(o, "requests", json_u64(ok));
         json_object_object_add(o, "errors", json_u64(b->errors));
         json_object_object_add(o, "tokens", json_u64(b->tokens));
@@ -526,8 +540,9 @@ static void report(bench *b, double seconds)
            (unsigned long long)b->o.depth, (unsigned long long)b->o.seqs,
            b->o.seqs == 1 ? "" : "s", dist_names[b->o.dist], (unsigned long long)b->o.tokens,
            (unsigned long long)b->o.align);
-    printf("  requests   %llu ok, %llu failed in %.2f s\n", (unsigned long long)ok,
-           (unsigned long long)b->errors, seconds);
+    printf("  requests   %llu ok, %llu failed in %.2f s%s\n", (unsigned long long)ok,
+           (unsigned long long)b->errors, seconds,
+           interrupted ? " (interrupted: the results so far)" : "");
     printf("  throughput %.1f requests/s, %.0f tokens/s\n", rps, tps);
     printf("  latency    p50 %.2f ms, p90 %.2f ms, p99 %.2f ms, max %.2f ms (mean %.2f ms)\n",
            p50 / 1e3, p90 / 1e3, p99 / 1e3, max / 1e3, mean / 1e3);
@@ -545,16 +560,16 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         {"help", no_argument, NULL, 'h'},           {"clients", required_argument, NULL, 'c'},
         {"depth", required_argument, NULL, 'd'},    {"requests", required_argument, NULL, 'n'},
         {"duration", required_argument, NULL, 'D'}, {"tokens", required_argument, NULL, 'T'},
-        {"dist", required_argument, NULL, 'l'},     {"seqs", required_argument, NULL, 'S'},
-        {"transport", required_argument, NULL, 'x'}, {"warmup", required_argument, NULL, 'w'},
-        {"seed", required_argument, NULL, 's'},     {"lengths", required_argument, NULL, 'L'},
+        {"dist", required_argument, NULL, 'l'},     {"seqs", required_argument, NULL, 'N'},
+        {"transport", required_argument, NULL, 'x'}, {"warmup", required_argument, NULL, 'W'},
+        {"seed", required_argument, NULL, 'S'},     {"lengths", required_argument, NULL, 'L'},
         {"spin", required_argument, NULL, 'P'},     {"ring", no_argument, NULL, 'r'},
         {"align", required_argument, NULL, 'A'},    {NULL, 0, NULL, 0}};
     *o = (bench_opts){1, 1, 100, 1024, 1, 1, 1, 0, false, BENCH_PACKED, 0, DIST_FIXED,
                       BENCH_INLINE, {0}};
     bool has_requests = false, has_shape = false;
     int opt;
-    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:S:x:w:s:L:P:rA:", opts, NULL)) != -1) {
+    while ((opt = getopt_long(argc, argv, "hc:d:n:D:T:l:N:x:W:S:L:P:rA:", opts, NULL)) != -1) {
         uint64_t *target = NULL, max = 0, min = 1;
         switch (opt) {
         case 'h':
@@ -564,7 +579,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
         case 'd': target = &o->depth; max = 1024; break;
         case 'n': target = &o->requests; max = UINT32_MAX; has_requests = true; break;
         case 'T': target = &o->tokens; max = 1u << 20; has_shape = true; break;
-        case 'S': target = &o->seqs; max = 4096; has_shape = true; break;
+        case 'N': target = &o->seqs; max = 4096; has_shape = true; break;
         case 'L': {
             char *list = optarg, *end;
             uint64_t n = 0, total = 0;
@@ -583,7 +598,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
             o->dist = DIST_LIST;
             break;
         }
-        case 'w': target = &o->warmup; max = 1000; min = 0; break;
+        case 'W': target = &o->warmup; max = 1000; min = 0; break;
         case 'r': o->ring = true; break;
         case 'A':
             if (!parse_u64(optarg, BENCH_PACKED, 1ull << 30, &o->align) ||
@@ -592,7 +607,7 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
                                  optarg, BENCH_PACKED);
             break;
         case 'P': target = &o->spin_us; max = 1000000; min = 0; break;
-        case 's': target = &o->seed; max = UINT64_MAX / 16; min = 0; break;
+        case 'S': target = &o->seed; max = UINT64_MAX / 16; min = 0; break;
         case 'D':
             if (!parse_double(optarg, &o->duration) || o->duration <= 0 || o->duration > 86400)
                 return ctl_usage("bench", "--duration: '%s' is not in (0, 86400] seconds",
@@ -648,8 +663,14 @@ int cmd_bench(ctl *g, int argc, char **argv)
     b.g = g;
     b.rng = b.o.seed * 16 + 15;
     b.data.shm.fd = -1;
+    /* One Ctrl-C ends the run cleanly; SA_RESETHAND leaves a second one to kill. */
+    struct sigaction sa = {.sa_handler = on_interrupt, .sa_flags = SA_RESETHAND};
+    sigemptyset(&sa.sa_mask);
+    struct sigaction old_int, old_term;
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
     rc = setup(&b);
-    if (rc == EXIT_OK) {
+    if (rc == EXIT_OK && !interrupted) {
         rc = run_loop(&b);
         double seconds = now_s() - b.start;
         if (rc == EXIT_OK) {
@@ -658,5 +679,9 @@ int cmd_bench(ctl *g, int argc, char **argv)
         }
     }
     teardown(&b);
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    if (interrupted && (rc == EXIT_OK || rc == EXIT_REFUSED))
+        rc = EXIT_INTERRUPTED;
     return rc;
 }

@@ -59,7 +59,7 @@ static void hello_json(const kdac_client *c)
     json_object_object_add(o, "socket", json_object_new_string(kdac_client_path(c)));
     json_object_object_add(o, "version", json_u64(i->version));
     json_object_object_add(o, "server", json_object_new_string(i->server));
-    json_object_object_add(o, "instance", json_u64(i->instance));
+    json_object_object_add(o, "instance", json_id(i->instance));
     json_object_object_add(o, "backend", json_object_new_string(i->backend));
     json_object *gpu = NULL;
     if (i->has_gpu) {
@@ -67,6 +67,7 @@ static void hello_json(const kdac_client *c)
         json_object_object_add(gpu, "name", json_object_new_string(i->gpu_name));
         json_object_object_add(gpu, "uuid", json_object_new_string(i->gpu_uuid));
         json_object_object_add(gpu, "index", json_u64(i->gpu_index));
+        json_object_object_add(gpu, "pci_bus_id", json_object_new_string(i->gpu_pci_bus_id));
     }
     json_object_object_add(o, "gpu", gpu);
     json_object_object_add(o, "heads", json_u64(i->heads));
@@ -100,7 +101,8 @@ static void hello_text(const kdac_client *c)
     printf("  protocol    %u\n", i->version);
     printf("  backend     %s\n", i->backend);
     if (i->has_gpu)
-        printf("  gpu         %s (%s, index %u)\n", i->gpu_name, i->gpu_uuid, i->gpu_index);
+        printf("  gpu         %s (%s, index %u%s%s)\n", i->gpu_name, i->gpu_uuid, i->gpu_index,
+               i->gpu_pci_bus_id[0] ? ", PCI " : "", i->gpu_pci_bus_id);
     else
         printf("  gpu         none\n");
     printf("  geometry    %u heads x %d, %u slots, state %s\n", i->heads, KDAC_HEAD_DIM, i->slots,
@@ -145,7 +147,7 @@ static const char ping_help[] =
     "Usage: kdactl ping [--count N] [--spin US] [--ring]\n"
     "Connects and times N health round trips (default 1): each one up to\n"
     "10, then min, p50, mean, p99 and max.\n"
-    "  -c, --count N   round trips (1..1000000)\n"
+    "  -n, --count N   round trips (1..1000000)\n"
     "  -P, --spin US   wait for each answer without sleeping for up to US microseconds\n"
     "                  (kdac_client_set_spin; default 0)\n"
     "  -r, --ring      through a frame ring instead of the socket (kdac_ring_attach)\n";
@@ -153,16 +155,16 @@ static const char ping_help[] =
 static int parse_ping(int argc, char **argv, uint64_t *count, uint64_t *spin_us, bool *ring)
 {
     static const struct option opts[] = {
-        {"help", no_argument, NULL, 'h'}, {"count", required_argument, NULL, 'c'},
+        {"help", no_argument, NULL, 'h'}, {"count", required_argument, NULL, 'n'},
         {"spin", required_argument, NULL, 'P'}, {"ring", no_argument, NULL, 'r'},
         {NULL, 0, NULL, 0}};
     int o;
-    while ((o = getopt_long(argc, argv, "hc:P:r", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "hn:P:r", opts, NULL)) != -1) {
         switch (o) {
         case 'h':
             fputs(ping_help, stdout);
             return EXIT_OK;
-        case 'c':
+        case 'n':
             if (!parse_u64(optarg, 1, 1000000, count))
                 return ctl_usage("ping", "--count: '%s' is not in [1, 1000000]", optarg);
             break;

@@ -15,11 +15,22 @@ static const char layer_help[] =
     "       kdactl layer drop NAME\n"
     "\n"
     "Layers hold a KDA layer's A_log [H] and dt_bias [H, 128] (f32) with its gate floor\n"
-    "(lower_bound, in [-5, 0)) and output scale; prefill requests name them.  They are\n"
-    "daemon-wide and stay until dropped.  register reads A_log and dt_bias from a\n"
-    "safetensors FILE (a golden-vector file works); lower_bound and scale default to\n"
-    "the file's metadata, else -5 and 1/sqrt(128).  Registering an identical layer\n"
-    "again is harmless; a different one under a taken name is refused.\n";
+    "(lower_bound, in [-5, 0)) and output scale; prefill requests name them.  A layer\n"
+    "belongs to your uid (other uids have their own names; the daemon's configured\n"
+    "layers are everyone's) and stays until dropped.  register reads A_log and dt_bias\n"
+    "from a safetensors FILE (a golden-vector file works); lower_bound and scale default\n"
+    "to the file's metadata, else -5 and 1/sqrt(128).  The daemon counts registrations:\n"
+    "registering an identical layer again takes one more, each drop gives one back, and\n"
+    "the name goes with the last; a different layer under a taken name is refused.\n"
+    "\n"
+    "Options:\n"
+    "  -w, --weights FILE    safetensors file with A_log and dt_bias (register)\n"
+    "      --lower-bound X   the gate floor, in [-5, 0) (register)\n"
+    "      --scale X         the output scale (register)\n"
+    "\n"
+    "Examples:\n"
+    "  kdactl layer register model.layers.3.kda --weights layer3.safetensors\n"
+    "  kdactl --json layer list\n";
 
 static int layer_list(ctl *g, kdac_client *c)
 {
@@ -82,7 +93,7 @@ static int layer_register(ctl *g, kdac_client *c, const char *name, const char *
     kdac_layer layer = {name, w.A_log, w.dt_bias, w.lower_bound, w.scale};
     bool created;
     kdac_error err;
-    if (kdac_layer_register(c, &layer, &created, &err)) {
+    if (CTL_RETRYING(g, "layer register", err, kdac_layer_register(c, &layer, &created, &err))) {
         rc = ctl_fail(g, "layer register", &err);
         goto done;
     }
@@ -104,19 +115,21 @@ done:
     return rc;
 }
 
+enum { OPT_LOWER_BOUND = 256, OPT_SCALE }; /* long only: -l and -c mean other things elsewhere */
+
 int cmd_layer(ctl *g, int argc, char **argv)
 {
     static const struct option opts[] = {
         {"help", no_argument, NULL, 'h'},
         {"weights", required_argument, NULL, 'w'},
-        {"lower-bound", required_argument, NULL, 'l'},
-        {"scale", required_argument, NULL, 'c'},
+        {"lower-bound", required_argument, NULL, OPT_LOWER_BOUND},
+        {"scale", required_argument, NULL, OPT_SCALE},
         {NULL, 0, NULL, 0}};
     const char *weights = NULL;
     double lb, scale;
     bool has_lb = false, has_scale = false;
     int o;
-    while ((o = getopt_long(argc, argv, "hw:l:c:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "hw:", opts, NULL)) != -1) {
         switch (o) {
         case 'h':
             fputs(layer_help, stdout);
@@ -124,12 +137,12 @@ int cmd_layer(ctl *g, int argc, char **argv)
         case 'w':
             weights = optarg;
             break;
-        case 'l':
+        case OPT_LOWER_BOUND:
             if (!parse_double(optarg, &lb) || !(lb >= -5 && lb < 0))
                 return ctl_usage("layer", "--lower-bound: '%s' is not in [-5, 0)", optarg);
             has_lb = true;
             break;
-        case 'c':
+        case OPT_SCALE:
             if (!parse_double(optarg, &scale))
                 return ctl_usage("layer", "--scale: '%s' is not a finite number", optarg);
             has_scale = true;
@@ -145,8 +158,12 @@ int cmd_layer(ctl *g, int argc, char **argv)
     char **args = argv + optind + 1;
     bool is_list = strcmp(action, "list") == 0, is_reg = strcmp(action, "register") == 0,
          is_drop = strcmp(action, "drop") == 0;
-    if (!is_list && !is_reg && !is_drop)
-        return ctl_usage("layer", "unknown action '%s'", action);
+    if (!is_list && !is_reg && !is_drop) {
+        static const char *const actions[] = {"list", "register", "drop"};
+        const char *near = ctl_suggest(action, actions, 3);
+        return near ? ctl_usage("layer", "unknown action '%s'; did you mean '%s'?", action, near)
+                    : ctl_usage("layer", "unknown action '%s' (list, register or drop)", action);
+    }
     if (nargs != (is_list ? 0 : 1))
         return ctl_usage("layer", is_list ? "list takes no argument" : "%s takes one NAME",
                          action);

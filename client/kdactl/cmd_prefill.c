@@ -35,13 +35,20 @@ static const char prefill_help[] =
     "Options:\n"
     "  -i, --input FILE      golden-format input\n"
     "  -o, --output FILE     where to write out and final_state\n"
-    "  -r, --random          synthetic inputs (needs --tokens and --heads)\n"
+    "  -R, --random          synthetic inputs (needs --tokens and --heads)\n"
     "  -T, --tokens T        tokens in all (random)\n"
     "  -H, --heads H         heads (random)\n"
-    "  -n, --seqs N          sequences, splitting T evenly (random; default 1)\n"
+    "  -N, --seqs N          sequences, splitting T evenly (random; default 1)\n"
     "  -S, --seed S          seed of the random inputs (default 1)\n"
     "  -x, --transport MODE  inline, shm, or auto (default: inline when it fits the\n"
-    "                        daemon's max_inline_bytes, else shm)\n";
+    "                        daemon's max_inline_bytes, else shm)\n"
+    "  -C, --check           compare out and final_state with the input's expected_out and\n"
+    "                        expected_final_state (relative RMS error) and fail (exit 1)\n"
+    "                        above max(0.005, the fla error the file records)\n"
+    "\n"
+    "Examples:\n"
+    "  kdactl prefill --input case.safetensors --check\n"
+    "  kdactl prefill --random --tokens 8192 --heads 96 --seqs 4 --output out.safetensors\n";
 
 typedef enum transport { TR_AUTO, TR_INLINE, TR_SHM } transport;
 
@@ -94,12 +101,12 @@ static int for_each_seq(run *r, const char *what,
     int sent = 0;
     for (uint32_t i = 0; i < r->in.nseqs; i++, sent++) {
         if (send(r, i, &b, &err)) {
-            ctl_wait(r->c, &b.done, sent, NULL, 0);
+            ctl_wait(r->c, &b.done, sent, NULL, 0, 0);
             return ctl_fail(r->g, what, &err);
         }
     }
     /* A lost connection completes every request with its error: b.first. */
-    ctl_wait(r->c, &b.done, sent, NULL, 0);
+    ctl_wait(r->c, &b.done, sent, NULL, 0, 0);
     return b.failed ? ctl_fail(r->g, what, &b.first) : EXIT_OK;
 }
 
@@ -230,24 +237,34 @@ static void prefill_cb(kdac_client *c, void *data, const kdac_result *res, int s
     }
 }
 
-/* The prefill itself: one request, with a progress bar for big transfers. */
+/* The prefill itself: one request (again after a retryable refusal), with a progress bar
+ * for big transfers that names the request's phase. */
 static int run_prefill(run *r)
 {
     kdac_error err;
-    kdac_io_status st;
-    kdac_client_io_status(r->c, &st);
-    uint64_t base = st.sent_bytes + st.recv_bytes;
     bool inl = strcmp(r->transport, "inline") == 0;
-    progress bar;
-    progress_begin(&bar, r->g, "prefill", inl ? r->bytes_in + r->bytes_out : 0, true);
-    double t0 = now_s();
-    if (kdac_prefill_send(r->c, r->layer, r->seqs, r->in.nseqs, prefill_cb, r, &err))
-        return ctl_fail(r->g, "prefill", &err);
-    ctl_wait(r->c, &r->prefill_done, 1, &bar, base);
-    progress_end(&bar);
-    r->seconds = now_s() - t0;
-    if (r->prefill_status)
-        return ctl_fail(r->g, "prefill", &r->prefill_error);
+    int attempt = 0;
+    for (;;) {
+        kdac_io_status st;
+        kdac_client_io_status(r->c, &st);
+        progress bar;
+        progress_begin(&bar, r->g, "prefill", inl ? r->bytes_in + r->bytes_out : 0, true);
+        progress_request(&bar, r->bytes_in);
+        r->prefill_done = 0;
+        double t0 = now_s();
+        if (kdac_prefill_send(r->c, r->layer, r->seqs, r->in.nseqs, prefill_cb, r, &err)) {
+            if (ctl_retry(r->g, "prefill", &err, &attempt))
+                continue;
+            return ctl_fail(r->g, "prefill", &err);
+        }
+        ctl_wait(r->c, &r->prefill_done, 1, &bar, st.sent_bytes, st.recv_bytes);
+        progress_end(&bar);
+        r->seconds = now_s() - t0;
+        if (!r->prefill_status)
+            break;
+        if (!ctl_retry(r->g, "prefill", &r->prefill_error, &attempt))
+            return ctl_fail(r->g, "prefill", &r->prefill_error);
+    }
     for (uint32_t i = 0; i < r->in.nseqs; i++) {
         if (r->pos[i] != r->seqs[i].len)
             return ctl_error(r->g, EXIT_REFUSED, "the daemon put sequence %u at position %llu "
@@ -284,7 +301,7 @@ static void run_cleanup(run *r)
     prefill_input_free(&r->in);
 }
 
-static void print_summary(const run *r, const char *output)
+static void print_summary(const run *r, const char *output, const prefill_check *check)
 {
     const kdac_server_info *info = kdac_client_info(r->c);
     const prefill_input *in = &r->in;
@@ -313,6 +330,15 @@ static void print_summary(const run *r, const char *output)
             json_object_array_add(pos, json_u64(r->pos[i]));
         json_object_object_add(o, "positions", pos);
         json_object_object_add(o, "output", output ? json_object_new_string(output) : NULL);
+        if (check) {
+            json_object *k = json_object_new_object();
+            json_object_object_add(k, "out_err", json_object_new_double(check->out_err));
+            json_object_object_add(k, "state_err", json_object_new_double(check->state_err));
+            json_object_object_add(k, "out_bound", json_object_new_double(check->out_bound));
+            json_object_object_add(k, "state_bound", json_object_new_double(check->state_bound));
+            json_object_object_add(k, "ok", json_object_new_boolean(check->ok));
+            json_object_object_add(o, "check", k);
+        }
         ctl_print_json(o);
         return;
     }
@@ -332,6 +358,10 @@ static void print_summary(const run *r, const char *output)
     if (output)
         printf("  output     %s: out bf16 [%u, %d, 128], final_state f32 [%u, %d, 128, 128]\n",
                output, in->total_tokens, in->heads, in->nseqs, in->heads);
+    if (check)
+        printf("  check      output error %.3g (bound %.3g), final state %.3g (bound %.3g): %s\n",
+               check->out_err, check->out_bound, check->state_err, check->state_bound,
+               check->ok ? "within the accuracy contract" : "ABOVE the accuracy contract");
 }
 
 /* The run (see the top of this file) up to the final states, on a connected
@@ -356,11 +386,13 @@ static int run_steps(run *r, transport tr)
     layer_weights_name(&in->weights, r->layer, sizeof(r->layer));
     kdac_layer layer = {r->layer, in->weights.A_log, in->weights.dt_bias,
                         in->weights.lower_bound, in->weights.scale};
-    if (kdac_layer_register(r->c, &layer, &r->layer_created, &err))
+    if (CTL_RETRYING(r->g, "prefill: register the layer", err,
+                     kdac_layer_register(r->c, &layer, &r->layer_created, &err)))
         return ctl_fail(r->g, "prefill: register the layer", &err);
     r->layer_registered = true;
     unsigned flags = in->initial_state ? KDAC_SLOT_ALLOC_EMPTY : 0;
-    if (kdac_slot_alloc(r->c, (uint32_t)N, flags, r->slots, &err))
+    if (CTL_RETRYING(r->g, "prefill: allocate slots", err,
+                     kdac_slot_alloc(r->c, (uint32_t)N, flags, r->slots, &err)))
         return ctl_fail(r->g, "prefill: allocate slots", &err);
     r->slots_allocated = true;
     int rc;
@@ -375,16 +407,17 @@ int cmd_prefill(ctl *g, int argc, char **argv)
 {
     static const struct option opts[] = {
         {"help", no_argument, NULL, 'h'},         {"input", required_argument, NULL, 'i'},
-        {"output", required_argument, NULL, 'o'}, {"random", no_argument, NULL, 'r'},
+        {"output", required_argument, NULL, 'o'}, {"random", no_argument, NULL, 'R'},
         {"tokens", required_argument, NULL, 'T'}, {"heads", required_argument, NULL, 'H'},
-        {"seqs", required_argument, NULL, 'n'},   {"seed", required_argument, NULL, 'S'},
-        {"transport", required_argument, NULL, 'x'}, {NULL, 0, NULL, 0}};
+        {"seqs", required_argument, NULL, 'N'},   {"seed", required_argument, NULL, 'S'},
+        {"transport", required_argument, NULL, 'x'}, {"check", no_argument, NULL, 'C'},
+        {NULL, 0, NULL, 0}};
     const char *input = NULL, *output = NULL;
-    bool random = false;
+    bool random = false, check = false;
     uint64_t tokens = 0, heads = 0, nseqs = 1, seed = 1;
     transport tr = TR_AUTO;
     int o;
-    while ((o = getopt_long(argc, argv, "hi:o:rT:H:n:S:x:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "hi:o:RT:H:N:S:x:C", opts, NULL)) != -1) {
         switch (o) {
         case 'h':
             fputs(prefill_help, stdout);
@@ -395,8 +428,11 @@ int cmd_prefill(ctl *g, int argc, char **argv)
         case 'o':
             output = optarg;
             break;
-        case 'r':
+        case 'R':
             random = true;
+            break;
+        case 'C':
+            check = true;
             break;
         case 'T':
             if (!parse_u64(optarg, 1, UINT32_MAX, &tokens))
@@ -406,7 +442,7 @@ int cmd_prefill(ctl *g, int argc, char **argv)
             if (!parse_u64(optarg, 1, 128, &heads))
                 return ctl_usage("prefill", "--heads: '%s' is not in [1, 128]", optarg);
             break;
-        case 'n':
+        case 'N':
             if (!parse_u64(optarg, 1, 4096, &nseqs))
                 return ctl_usage("prefill", "--seqs: '%s' is not in [1, 4096]", optarg);
             break;
@@ -440,6 +476,8 @@ int cmd_prefill(ctl *g, int argc, char **argv)
                          (unsigned long long)nseqs, (unsigned long long)tokens);
     if (!random && (tokens || heads || nseqs != 1))
         return ctl_usage("prefill", "--tokens, --heads and --seqs go with --random");
+    if (check && random)
+        return ctl_usage("prefill", "--check compares with an --input file's expected tensors");
 
     run r;
     memset(&r, 0, sizeof(r));
@@ -470,8 +508,15 @@ int cmd_prefill(ctl *g, int argc, char **argv)
                                  sizeof(why)))
             rc = ctl_error(g, EXIT_INPUT, "%s", why);
     }
-    if (rc == EXIT_OK)
-        print_summary(&r, output);
+    prefill_check result;
+    if (rc == EXIT_OK && check &&
+        prefill_input_check(&r.in, r.out, r.final_state, &result, why, sizeof(why)))
+        rc = ctl_error(g, EXIT_INPUT, "%s", why);
+    if (rc == EXIT_OK) {
+        print_summary(&r, output, check ? &result : NULL);
+        if (check && !result.ok)
+            rc = EXIT_REFUSED;
+    }
     run_cleanup(&r);
     return rc;
 }

@@ -30,7 +30,20 @@ static const char slot_help[] =
     "restores such a file into HANDLE, or into a new slot; info shows position,\n"
     "status and queue (of every slot you own when no handle is given).\n"
     "When the daemon does not persist slots (see 'kdactl hello'), slots live only as\n"
-    "long as kdactl's connection.\n";
+    "long as kdactl's connection.  --json prints handles as strings (\"0x...\").\n"
+    "\n"
+    "Options:\n"
+    "  -n, --count N     slots to allocate (alloc; default 1)\n"
+    "  -e, --empty       allocate slots without a state (alloc)\n"
+    "      --dst HANDLE  fork into this slot instead of a new one (fork)\n"
+    "  -o, --output FILE where save writes the state\n"
+    "  -i, --input FILE  the state file load reads\n"
+    "      --dtype T     the dtype save writes: f32 (fp32, float32; default) or bf16\n"
+    "                    (bfloat16)\n"
+    "\n"
+    "Examples:\n"
+    "  kdactl slot alloc --count 4\n"
+    "  kdactl slot save 0x5f3a000000000001 --output s.safetensors --dtype bf16\n";
 
 /* The handles args[0..n), parsed. */
 static int parse_handles(char **args, int n, uint64_t *out)
@@ -48,7 +61,7 @@ static void print_handles(const ctl *g, const char *key, const uint64_t *h, uint
     if (g->json) {
         json_object *arr = json_object_new_array();
         for (uint32_t i = 0; i < n; i++)
-            json_object_array_add(arr, json_u64(h[i]));
+            json_object_array_add(arr, json_id(h[i]));
         json_object *o = json_object_new_object();
         json_object_object_add(o, key, arr);
         ctl_print_json(o);
@@ -76,7 +89,8 @@ static int slot_save(ctl *g, kdac_client *c, uint64_t slot, const char *path, kd
     uint64_t pos;
     kdac_error err;
     int rc = EXIT_OK;
-    if (kdac_slot_read(c, slot, dtype, kdac_output_inline(state), &pos, &err)) {
+    if (CTL_RETRYING(g, "slot save", err,
+                     kdac_slot_read(c, slot, dtype, kdac_output_inline(state), &pos, &err))) {
         rc = ctl_fail(g, "slot save", &err);
         goto done;
     }
@@ -91,7 +105,7 @@ static int slot_save(ctl *g, kdac_client *c, uint64_t slot, const char *path, kd
         rc = ctl_error(g, EXIT_INPUT, "%s: %s", path, why);
     } else if (g->json) {
         json_object *o = json_object_new_object();
-        json_object_object_add(o, "slot", json_u64(slot));
+        json_object_object_add(o, "slot", json_id(slot));
         json_object_object_add(o, "pos", json_u64(pos));
         json_object_object_add(o, "dtype", json_object_new_string(dtype_name(dtype)));
         json_object_object_add(o, "output", json_object_new_string(path));
@@ -130,18 +144,20 @@ static int slot_load(ctl *g, kdac_client *c, uint64_t slot, const char *path)
     }
     kdac_error err;
     bool fresh_slot = slot == 0;
-    if (fresh_slot && kdac_slot_alloc(c, 1, KDAC_SLOT_ALLOC_EMPTY, &slot, &err)) {
+    if (fresh_slot && CTL_RETRYING(g, "slot load", err,
+                                   kdac_slot_alloc(c, 1, KDAC_SLOT_ALLOC_EMPTY, &slot, &err))) {
         rc = ctl_fail(g, "slot load", &err);
         goto done;
     }
     kdac_dtype dtype = t->dtype == ST_BF16 ? KDAC_DTYPE_BF16 : KDAC_DTYPE_F32;
-    if (kdac_slot_write(c, slot, pos, dtype, kdac_tensor_inline(t->data), &err)) {
+    if (CTL_RETRYING(g, "slot load", err,
+                     kdac_slot_write(c, slot, pos, dtype, kdac_tensor_inline(t->data), &err))) {
         rc = ctl_fail(g, "slot load", &err);
         goto done;
     }
     if (g->json) {
         json_object *o = json_object_new_object();
-        json_object_object_add(o, "slot", json_u64(slot));
+        json_object_object_add(o, "slot", json_id(slot));
         json_object_object_add(o, "pos", json_u64(pos));
         json_object_object_add(o, "input", json_object_new_string(path));
         ctl_print_json(o);
@@ -167,7 +183,7 @@ static int slot_info(ctl *g, kdac_client *c, const uint64_t *slots, uint32_t n)
         json_object *arr = json_object_new_array();
         for (uint32_t i = 0; i < r.nslots; i++) {
             json_object *s = json_object_new_object();
-            json_object_object_add(s, "slot", json_u64(r.slots[i].slot));
+            json_object_object_add(s, "slot", json_id(r.slots[i].slot));
             json_object_object_add(s, "pos", json_u64(r.slots[i].pos));
             json_object_object_add(s, "status", json_object_new_string(status[r.slots[i].status]));
             json_object_object_add(s, "queued", json_u64(r.slots[i].queued));
@@ -199,7 +215,8 @@ static int slot_action(ctl *g, kdac_client *c, const char *action, char **args, 
     if (rc)
         goto done;
     if (strcmp(action, "alloc") == 0) {
-        if (kdac_slot_alloc(c, (uint32_t)count, alloc_flags, h, &err)) {
+        if (CTL_RETRYING(g, "slot alloc", err,
+                         kdac_slot_alloc(c, (uint32_t)count, alloc_flags, h, &err))) {
             rc = ctl_fail(g, "slot alloc", &err);
         } else {
             print_handles(g, "slots", h, (uint32_t)count, "allocated");
@@ -216,12 +233,12 @@ static int slot_action(ctl *g, kdac_client *c, const char *action, char **args, 
                           is_free ? "freed" : "reset to zero at position 0");
     } else if (strcmp(action, "fork") == 0) {
         uint64_t slot, pos;
-        if (kdac_slot_fork(c, h[0], dst, &slot, &pos, &err)) {
+        if (CTL_RETRYING(g, "slot fork", err, kdac_slot_fork(c, h[0], dst, &slot, &pos, &err))) {
             rc = ctl_fail(g, "slot fork", &err);
         } else if (g->json) {
             json_object *o = json_object_new_object();
-            json_object_object_add(o, "src", json_u64(h[0]));
-            json_object_object_add(o, "slot", json_u64(slot));
+            json_object_object_add(o, "src", json_id(h[0]));
+            json_object_object_add(o, "slot", json_id(slot));
             json_object_object_add(o, "pos", json_u64(pos));
             ctl_print_json(o);
         } else {
@@ -242,19 +259,21 @@ done:
     return rc;
 }
 
+enum { OPT_DST = 256, OPT_DTYPE }; /* long only: -d and -t mean other things elsewhere */
+
 int cmd_slot(ctl *g, int argc, char **argv)
 {
     static const struct option opts[] = {
         {"help", no_argument, NULL, 'h'},          {"count", required_argument, NULL, 'n'},
-        {"empty", no_argument, NULL, 'e'},         {"dst", required_argument, NULL, 'd'},
+        {"empty", no_argument, NULL, 'e'},         {"dst", required_argument, NULL, OPT_DST},
         {"output", required_argument, NULL, 'o'},  {"input", required_argument, NULL, 'i'},
-        {"dtype", required_argument, NULL, 't'},   {NULL, 0, NULL, 0}};
+        {"dtype", required_argument, NULL, OPT_DTYPE}, {NULL, 0, NULL, 0}};
     uint64_t count = 1, dst = 0;
     unsigned alloc_flags = 0;
     const char *output = NULL, *input = NULL;
     kdac_dtype dtype = KDAC_DTYPE_F32;
     int o;
-    while ((o = getopt_long(argc, argv, "hn:ed:o:i:t:", opts, NULL)) != -1) {
+    while ((o = getopt_long(argc, argv, "hn:eo:i:", opts, NULL)) != -1) {
         switch (o) {
         case 'h':
             fputs(slot_help, stdout);
@@ -266,7 +285,7 @@ int cmd_slot(ctl *g, int argc, char **argv)
         case 'e':
             alloc_flags |= KDAC_SLOT_ALLOC_EMPTY;
             break;
-        case 'd':
+        case OPT_DST:
             if (!parse_handle(optarg, &dst))
                 return ctl_usage("slot", "--dst: '%s' is not a slot handle", optarg);
             break;
@@ -276,10 +295,10 @@ int cmd_slot(ctl *g, int argc, char **argv)
         case 'i':
             input = optarg;
             break;
-        case 't':
-            if (strcmp(optarg, "bf16") && strcmp(optarg, "f32"))
-                return ctl_usage("slot", "--dtype: '%s' is neither bf16 nor f32", optarg);
-            dtype = optarg[0] == 'b' ? KDAC_DTYPE_BF16 : KDAC_DTYPE_F32;
+        case OPT_DTYPE:
+            if (!parse_dtype(optarg, &dtype))
+                return ctl_usage("slot", "--dtype: '%s' is neither bf16 (bfloat16) nor f32 "
+                                 "(fp32, float32)", optarg);
             break;
         default:
             return ctl_usage("slot", "unknown option");
@@ -301,8 +320,14 @@ int cmd_slot(ctl *g, int argc, char **argv)
         if (strcmp(actions[i].name, action) == 0)
             a = i;
     }
-    if (a < 0)
-        return ctl_usage("slot", "unknown action '%s'", action);
+    if (a < 0) {
+        const char *names[7];
+        for (int i = 0; i < 7; i++)
+            names[i] = actions[i].name;
+        const char *near = ctl_suggest(action, names, 7);
+        return near ? ctl_usage("slot", "unknown action '%s'; did you mean '%s'?", action, near)
+                    : ctl_usage("slot", "unknown action '%s'", action);
+    }
     if (nargs < actions[a].min || nargs > actions[a].max)
         return ctl_usage("slot", "%s takes %d to %d handles, not %d", action, actions[a].min,
                          actions[a].max, nargs);

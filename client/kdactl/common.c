@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #define KDACTL_STR2(x) #x
@@ -93,11 +94,100 @@ int ctl_usage(const char *cmd, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "kdactl %s: ", cmd);
+    fprintf(stderr, "kdactl%s%s: ", *cmd ? " " : "", cmd);
     vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\nTry 'kdactl %s --help'.\n", cmd);
+    fprintf(stderr, "\nTry 'kdactl%s%s --help'.\n", *cmd ? " " : "", cmd);
     va_end(ap);
     return EXIT_USAGE;
+}
+
+bool ctl_retry(const ctl *g, const char *what, const kdac_error *err, int *attempt)
+{
+    switch (err->code) {
+    case KDAC_E_NOT_RUNNING:
+    case KDAC_E_CONNECT:
+    case KDAC_E_DISCONNECTED:
+    case KDAC_E_TIMEOUT:
+    case KDAC_E_SHUTTING_DOWN:
+        return false;
+    default:
+        break;
+    }
+    if (!err->retryable || *attempt >= g->retries)
+        return false;
+    long ms = g->retry_ms;
+    for (int i = 0; i < *attempt && ms < CTL_MAX_RETRY_MS; i++)
+        ms *= 2;
+    if (ms > CTL_MAX_RETRY_MS)
+        ms = CTL_MAX_RETRY_MS;
+    (*attempt)++;
+    fprintf(stderr, "kdactl: %s: %s (%s); retry %d of %d in %ld ms\n", what, err->message,
+            kdac_err_name(err->code), *attempt, g->retries, ms);
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+    return true;
+}
+
+static size_t edit_distance(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    if (la > 32 || lb > 32)
+        return SIZE_MAX;
+    /* Levenshtein with adjacent transpositions ("slto" is one step from "slot") */
+    size_t d[33][33];
+    for (size_t i = 0; i <= la; i++)
+        d[i][0] = i;
+    for (size_t j = 0; j <= lb; j++)
+        d[0][j] = j;
+    for (size_t i = 1; i <= la; i++) {
+        for (size_t j = 1; j <= lb; j++) {
+            size_t best = d[i - 1][j - 1] + (a[i - 1] != b[j - 1]);
+            if (d[i - 1][j] + 1 < best)
+                best = d[i - 1][j] + 1;
+            if (d[i][j - 1] + 1 < best)
+                best = d[i][j - 1] + 1;
+            if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] &&
+                d[i - 2][j - 2] + 1 < best)
+                best = d[i - 2][j - 2] + 1;
+            d[i][j] = best;
+        }
+    }
+    return d[la][lb];
+}
+
+const char *ctl_suggest(const char *word, const char *const *choices, size_t n)
+{
+    const char *best = NULL;
+    size_t best_d = SIZE_MAX;
+    for (size_t i = 0; i < n; i++) {
+        size_t d = edit_distance(word, choices[i]);
+        /* a prefix of a choice counts as near too ("bench" for "ben") */
+        if (*word && strncmp(choices[i], word, strlen(word)) == 0)
+            d = 1;
+        if (d < best_d) {
+            best_d = d;
+            best = choices[i];
+        }
+    }
+    size_t len = strlen(word);
+    return best && best_d <= (len <= 4 ? 1u : 2u) ? best : NULL;
+}
+
+bool parse_dtype(const char *s, kdac_dtype *out)
+{
+    static const struct {
+        const char *name;
+        kdac_dtype t;
+    } names[] = {{"f32", KDAC_DTYPE_F32},   {"fp32", KDAC_DTYPE_F32}, {"float32", KDAC_DTYPE_F32},
+                 {"bf16", KDAC_DTYPE_BF16}, {"bfloat16", KDAC_DTYPE_BF16}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (strcasecmp(s, names[i].name) == 0) {
+            *out = names[i].t;
+            return true;
+        }
+    }
+    return false;
 }
 
 int ctl_connect(const ctl *g, kdac_client **c)
@@ -105,12 +195,18 @@ int ctl_connect(const ctl *g, kdac_client **c)
     kdac_options o;
     kdac_options_init(&o);
     o.socket_path = g->socket;
+    char gpu_sock[KDAC_PATH_MAX];
+    if (!g->socket && g->gpu) {
+        if (kdac_socket_for_gpu(g->gpu, gpu_sock, sizeof(gpu_sock)) != KDAC_OK)
+            return ctl_usage("", "--gpu: '%s' is not a GPU ordinal or UUID", g->gpu);
+        o.socket_path = gpu_sock;
+    }
     o.timeout_ms = g->timeout_ms;
     char name[32];
     snprintf(name, sizeof(name), "kdactl/%s", kdac_version_string());
     o.client_name = name;
     kdac_error err;
-    int rc = kdac_client_open(c, &o, &err);
+    int rc = CTL_RETRYING(g, "connect", err, kdac_client_open(c, &o, &err)); /* e.g. BUSY */
     if (rc == KDAC_OK)
         return EXIT_OK;
     if (rc == KDAC_E_UNSUPPORTED_VERSION)
@@ -162,6 +258,13 @@ json_object *json_u64(uint64_t v)
     return json_object_new_uint64(v);
 }
 
+json_object *json_id(uint64_t v)
+{
+    char buf[24];
+    snprintf(buf, sizeof(buf), "0x%016llx", (unsigned long long)v);
+    return json_object_new_string(buf);
+}
+
 const char *dtype_name(kdac_dtype t)
 {
     return t == KDAC_DTYPE_F32 ? "f32" : "bf16";
@@ -185,7 +288,8 @@ double now_s(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-int ctl_wait(kdac_client *c, const int *count, int target, progress *bar, uint64_t base)
+int ctl_wait(kdac_client *c, const int *count, int target, progress *bar, uint64_t sent_base,
+             uint64_t recv_base)
 {
     while (*count < target) {
         struct pollfd p = {kdac_client_fd(c), POLLIN, 0};
@@ -198,7 +302,7 @@ int ctl_wait(kdac_client *c, const int *count, int target, progress *bar, uint64
         if (bar) {
             kdac_io_status st;
             kdac_client_io_status(c, &st);
-            progress_update(bar, st.sent_bytes + st.recv_bytes - base);
+            progress_io(bar, st.sent_bytes - sent_base, st.recv_bytes - recv_base);
         }
         if (rc != KDAC_OK)
             return rc; /* every request in flight has completed with it */

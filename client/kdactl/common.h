@@ -29,15 +29,23 @@ enum {
                              the daemon (e.g. its heads) */
     EXIT_UNSUPPORTED = 6, /* the daemon or this kdactl lacks the feature (e.g. cuda-ipc) */
     EXIT_LOST = 7,        /* the connection was lost or timed out mid-command */
+    EXIT_INTERRUPTED = 130, /* bench stopped by Ctrl-C (SIGINT) or SIGTERM, results printed */
 };
 
-/* Global options, before the command. */
+/* Global options, before or after the command. */
 typedef struct ctl {
     const char *socket; /* --socket, else $KDAD_SOCKET, else the default */
+    const char *gpu;    /* --gpu: the socket of kdad@GPU (kdac_socket_for_gpu), unless --socket */
     bool json;          /* --json: one JSON document on stdout */
-    int timeout_ms;     /* --timeout (seconds on the command line) */
+    int timeout_ms;     /* --timeout (seconds on the command line); 0: the command's default */
     bool progress;      /* a progress bar is allowed (stderr is a terminal, not --json) */
+    int retries;        /* --retries N (--no-retry: 0): tries again after a retryable error */
+    int retry_ms;       /* --retry-delay MS: the first back-off, doubled each time */
 } ctl;
+
+#define CTL_DEFAULT_RETRIES 5
+#define CTL_DEFAULT_RETRY_MS 100
+#define CTL_MAX_RETRY_MS 5000   /* a back-off grows to this and stays */
 
 /* A command: argv[0] is its name; returns an exit code. */
 typedef int (*ctl_command)(ctl *g, int argc, char **argv);
@@ -74,6 +82,29 @@ int ctl_set_error(kdac_error *err, int code, const char *fmt, ...)
  * Returns EXIT_OK with *c open, or the exit code. */
 int ctl_connect(const ctl *g, kdac_client **c);
 
+/*
+ * After `call` failed with err: true (after sleeping the back-off, with a note on stderr) when
+ * the daemon called the error retryable and tries are left, so the caller makes the same call
+ * again.  Errors of the connection itself (not running, lost, timed out) are not retried.
+ *   int attempt = 0;
+ *   while (kdac_slot_alloc(c, ..., &err) && ctl_retry(g, "slot alloc", &err, &attempt)) {}
+ */
+bool ctl_retry(const ctl *g, const char *what, const kdac_error *err, int *attempt);
+/* CALL (nonzero on failure, filling err) made until it succeeds or ctl_retry stops; its result. */
+#define CTL_RETRYING(g, what, err, call)                                                       \
+    __extension__({                                                                            \
+        int attempt_ = 0, rc_;                                                                 \
+        while ((rc_ = (call)) && ctl_retry((g), (what), &(err), &attempt_)) {                  \
+        }                                                                                      \
+        rc_;                                                                                   \
+    })
+
+/* The choice nearest to word by edit distance, if it is close enough to be a typo; else NULL. */
+const char *ctl_suggest(const char *word, const char *const *choices, size_t n);
+
+/* A state dtype: f32, fp32, float32 or bf16, bfloat16 (any case). */
+bool parse_dtype(const char *s, kdac_dtype *out);
+
 /* Parses an unsigned integer (decimal or 0x hex) in [min, max]. */
 bool parse_u64(const char *s, uint64_t min, uint64_t max, uint64_t *out);
 bool parse_double(const char *s, double *out);
@@ -83,6 +114,9 @@ bool parse_handle(const char *s, uint64_t *out);
 /* Prints a JSON document on stdout and releases it. */
 void ctl_print_json(json_object *o);
 json_object *json_u64(uint64_t v);
+/* A 64-bit identifier (slot handle, instance) as the text shows it, "0x%016llx": a JSON number
+ * would lose its low bits in tools that read numbers as doubles (jq, JavaScript). */
+json_object *json_id(uint64_t v);
 /* "bf16" / "f32" */
 const char *dtype_name(kdac_dtype t);
 /* Bytes as "12.3 MiB". */
@@ -100,18 +134,24 @@ typedef struct progress {
     const char *label;
     bool bytes;         /* format the counts as bytes */
     uint64_t total;
+    uint64_t send_total; /* > 0: a request's bar, which names its phase (send, run, receive) */
     double start, last;
 } progress;
 
 void progress_begin(progress *p, const ctl *g, const char *label, uint64_t total, bool bytes);
 void progress_update(progress *p, uint64_t done);
+/* A request's bar: sent and received bytes; send_total is what the request sends. */
+void progress_request(progress *p, uint64_t send_total);
+void progress_io(progress *p, uint64_t sent, uint64_t received);
 void progress_end(progress *p);
 
 /*
  * Drives c until *count reaches target: poll on its fd, kdac_client_progress,
  * and the progress bar (if any) fed with the bytes moved since `base`
- * (sent + received).  Returns 0, or the connection's error code.
+ * (sent + received; a request's bar with the two apart).  Returns 0, or the
+ * connection's error code.
  */
-int ctl_wait(kdac_client *c, const int *count, int target, progress *bar, uint64_t base);
+int ctl_wait(kdac_client *c, const int *count, int target, progress *bar, uint64_t sent_base,
+             uint64_t recv_base);
 
 #endif /* KDACTL_COMMON_H */

@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "bf16.h"
 
@@ -125,7 +127,18 @@ int prefill_input_read(prefill_input *in, const char *path, char *err, size_t er
     memset(in, 0, sizeof(*in));
     char why[ST_ERRMSG_MAX];
     if (st_open(path, &in->file, why, sizeof(why)) != 0) {
-        snprintf(err, errlen, "%s: %s", path, why);
+        /* st_open names the path; a readable file it cannot parse is simply not ours */
+        size_t plen = strlen(path);
+        struct stat sb;
+        bool parsed = stat(path, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size > 0 &&
+                      access(path, R_OK) == 0;
+        const char *detail = strncmp(why, path, plen) == 0 && strncmp(why + plen, ": ", 2) == 0
+                                 ? why + plen + 2
+                                 : why;
+        if (parsed)
+            snprintf(err, errlen, "%s: not a safetensors file (%s)", path, detail);
+        else
+            snprintf(err, errlen, "%s", why);
         return -1;
     }
     const st_file *f = in->file;
@@ -306,5 +319,52 @@ int prefill_output_write(const char *path, const prefill_input *in, const uint16
         snprintf(err, errlen, "%s: %s", path, why);
         return -1;
     }
+    return 0;
+}
+
+/* rms(x - ref) / rms(ref) in float64; ref read bytewise (the file's data may be unaligned). */
+static double rel_rms(const uint16_t *bf16, const float *f32, const void *ref, size_t n)
+{
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        float r;
+        memcpy(&r, (const char *)ref + 4 * i, 4);
+        double x = bf16 ? kda_bf16_to_f32(bf16[i]) : f32[i], d = x - r;
+        num += d * d;
+        den += (double)r * r;
+    }
+    return den > 0.0 ? sqrt(num / den) : sqrt(num);
+}
+
+static double contract_bound(const st_file *f, const char *key)
+{
+    const char *s = st_meta(f, key);
+    double fla = s ? strtod(s, NULL) : 0.0;
+    return fla > 0.005 ? fla : 0.005;
+}
+
+int prefill_input_check(const prefill_input *in, const uint16_t *out, const float *final_state,
+                        prefill_check *res, char *err, size_t errlen)
+{
+    if (!in->file) {
+        snprintf(err, errlen, "--check needs an --input file with expected tensors");
+        return -1;
+    }
+    const int64_t tok[] = {in->total_tokens, in->heads, D}, st[] = {in->nseqs, in->heads, D, D};
+    char why[256];
+    const st_tensor *eo = st_expect(in->file, "expected_out", ST_F32, 3, tok, why, sizeof(why));
+    const st_tensor *es = eo ? st_expect(in->file, "expected_final_state", ST_F32, 4, st, why,
+                                         sizeof(why))
+                             : NULL;
+    if (!eo || !es) {
+        snprintf(err, errlen, "--check: the input has no expected tensors to compare with (%s)",
+                 why);
+        return -1;
+    }
+    res->out_err = rel_rms(out, NULL, eo->data, (size_t)(in->total_tokens * in->heads * D));
+    res->state_err = rel_rms(NULL, final_state, es->data, (size_t)(in->nseqs * in->heads * D * D));
+    res->out_bound = contract_bound(in->file, "fla_out_err");
+    res->state_bound = contract_bound(in->file, "fla_state_err");
+    res->ok = res->out_err <= res->out_bound && res->state_err <= res->state_bound;
     return 0;
 }

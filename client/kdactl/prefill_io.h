@@ -1,6 +1,6 @@
 /*
  * prefill_io.h - kdactl's tensor files: layer weights, the golden-vector
- * input format (../shared/golden/README.md: q, k, v, g, beta, A_log,
+ * input format (docs/kda.md, "Golden vectors": q, k, v, g, beta, A_log,
  * dt_bias, cu_seqlens, optional initial_state, metadata lower_bound and
  * scale), synthetic inputs drawn like the golden ones, and the output file
  * (out BF16 [T, H, 128], final_state F32 [N, H, 128, 128], cu_seqlens).
@@ -59,6 +59,20 @@ int prefill_input_read(prefill_input *in, const char *path, char *err, size_t er
 int prefill_input_random(prefill_input *in, uint32_t tokens, int32_t heads, uint32_t nseqs,
                          uint64_t seed, char *err, size_t errlen);
 void prefill_input_free(prefill_input *in);
+
+/* What `prefill --check` finds: rms(x - ref) / rms(ref) of the output and the final state
+ * against the input file's expected tensors, and the contract's bounds for them,
+ * max(0.005, fla's error) when the file records fla's error (docs/kda.md). */
+typedef struct prefill_check {
+    double out_err, state_err;
+    double out_bound, state_bound;
+    bool ok;
+} prefill_check;
+
+/* Compares out (bf16 [T][H][128]) and final_state (f32 [N][H][128][128]) with the file's
+ * expected_out and expected_final_state; -1 (and err) when the input has none. */
+int prefill_input_check(const prefill_input *in, const uint16_t *out, const float *final_state,
+                        prefill_check *res, char *err, size_t errlen);
 
 /* Tokens of sequence i. */
 static inline uint32_t prefill_input_len(const prefill_input *in, uint32_t i)

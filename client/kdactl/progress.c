@@ -18,6 +18,7 @@ void progress_begin(progress *p, const ctl *g, const char *label, uint64_t total
     p->label = label;
     p->bytes = bytes;
     p->total = total;
+    p->send_total = 0;
     p->start = now_s();
     p->last = 0;
 }
@@ -53,6 +54,22 @@ void progress_update(progress *p, uint64_t done)
     }
     fprintf(stderr, "\r%s [%s] %3.0f%% %s/%s %s\033[K", p->label, bar, frac * 100, a, b, rate);
     fflush(stderr);
+}
+
+void progress_request(progress *p, uint64_t send_total)
+{
+    p->send_total = send_total;
+}
+
+void progress_io(progress *p, uint64_t sent, uint64_t received)
+{
+    if (p->send_total) {
+        /* The phase: the request still leaving, the daemon working on it, the answer coming. */
+        p->label = sent < p->send_total ? "prefill send   "
+                   : received == 0      ? "prefill run    "
+                                        : "prefill receive";
+    }
+    progress_update(p, sent + received);
 }
 
 void progress_end(progress *p)

@@ -36,27 +36,44 @@ void kdac_options_init(kdac_options *opts)
     memset(opts, 0, sizeof(*opts));
 }
 
+/* $XDG_RUNTIME_DIR/NAME if that exists (a user instance), else SYSTEM_DIR/NAME. */
+static int socket_in_runtime_dir(const char *name, char *buf, size_t size)
+{
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    struct stat st;
+    int n = -1;
+    if (xdg && *xdg) {
+        n = snprintf(buf, size, "%s/%s", xdg, name);
+        if (n >= 0 && (size_t)n < size && stat(buf, &st) != 0)
+            n = -1; /* no user instance: the system service */
+    }
+    if (n < 0)
+        n = snprintf(buf, size, "%s/%s", KDAC_SYSTEM_SOCKET_DIR, name);
+    return n < 0 || (size_t)n >= size ? KDAC_E_INVALID_ARGUMENT : KDAC_OK;
+}
+
+int kdac_socket_for_gpu(const char *gpu, char *buf, size_t size)
+{
+    if (!gpu || !*gpu || strlen(gpu) > 64 ||
+        strspn(gpu, "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-") !=
+            strlen(gpu))
+        return KDAC_E_INVALID_ARGUMENT;
+    char name[80];
+    snprintf(name, sizeof(name), "kdad-%s.sock", gpu);
+    return socket_in_runtime_dir(name, buf, size);
+}
+
 int kdac_socket_default(char *buf, size_t size)
 {
     const char *env = getenv("KDAD_SOCKET");
-    int n;
     if (env && *env) {
-        n = snprintf(buf, size, "%s", env);
-    } else {
-        const char *xdg = getenv("XDG_RUNTIME_DIR");
-        struct stat st;
-        n = -1;
-        if (xdg && *xdg) {
-            n = snprintf(buf, size, "%s/%s", xdg, KDAC_USER_SOCKET_NAME);
-            if (n >= 0 && (size_t)n < size && stat(buf, &st) != 0)
-                n = -1; /* no user instance: the system service */
-        }
-        if (n < 0)
-            n = snprintf(buf, size, "%s", KDAC_SYSTEM_SOCKET);
+        int n = snprintf(buf, size, "%s", env);
+        return n < 0 || (size_t)n >= size ? KDAC_E_INVALID_ARGUMENT : KDAC_OK;
     }
-    if (n < 0 || (size_t)n >= size)
-        return KDAC_E_INVALID_ARGUMENT;
-    return KDAC_OK;
+    const char *gpu = getenv("KDAD_GPU");
+    if (gpu && *gpu)
+        return kdac_socket_for_gpu(gpu, buf, size);
+    return socket_in_runtime_dir(KDAC_USER_SOCKET_NAME, buf, size);
 }
 
 const kdac_server_info *kdac_client_info(const kdac_client *c)
@@ -127,6 +144,7 @@ static int hello_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *re
         copy_text(i->gpu_name, sizeof(i->gpu_name), r.gpu.name);
         copy_text(i->gpu_uuid, sizeof(i->gpu_uuid), r.gpu.uuid);
         i->gpu_index = r.gpu.index;
+        copy_text(i->gpu_pci_bus_id, sizeof(i->gpu_pci_bus_id), r.gpu.pci_bus_id);
     }
     i->heads = r.geometry.heads;
     i->slots = r.geometry.slots;
@@ -209,8 +227,9 @@ int kdac_client_open(kdac_client **out, const kdac_options *opts, kdac_error *er
         }
         snprintf(c->path, sizeof(c->path), "%s", opts->socket_path);
     } else if (kdac_socket_default(c->path, sizeof(c->path)) != KDAC_OK) {
-        rc = kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "socket path from KDAD_SOCKET or "
-                       "XDG_RUNTIME_DIR longer than %zu bytes", sizeof(c->path) - 1);
+        rc = kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "no socket path from KDAD_SOCKET, "
+                       "KDAD_GPU (a GPU ordinal or UUID) or XDG_RUNTIME_DIR: too long (over %zu "
+                       "bytes) or not a GPU name", sizeof(c->path) - 1);
         goto fail;
     }
     c->stage = malloc(CLIENT_STAGE_BYTES);

@@ -7,6 +7,7 @@
  *   io.c       the send queue, the frame reader, dispatch, progress, waiting
  *   calls.c    one encoder + result decoder per method, blocking wrappers
  *   shm.c      memfd regions
+ *   shard.c    head-sharded clients (public API only)
  */
 #ifndef KDAC_CLIENT_INT_H
 #define KDAC_CLIENT_INT_H

@@ -1,7 +1,7 @@
 /*
  * chunk.c - the chunked KDA algorithm for one (sequence, head) chain, fp32.
  *
- * Per chunk of C = 16 tokens (KDA.md, "Chunked form"), with the state S0 in
+ * Per chunk of C = 16 tokens (docs/kda.md, "Chunks"), with the state S0 in
  * K-major layout S[k][v]:
  *
  *   prepare   q^, k^ (L2 norm), G = prefix sum of log a, b = sigmoid(beta),

@@ -3,7 +3,7 @@
  *
  * Internal to the CPU backend.  A worker owns one cpu_scratch and runs whole
  * chains with it: the state is loaded from the pool slot into a K-major fp32
- * working copy, advanced chunk by chunk (KDA.md, "Chunked form"), and stored
+ * working copy, advanced chunk by chunk (docs/kda.md, "Chunks"), and stored
  * back once at the end, so the slot is updated in place.
  */
 #ifndef KDA_CPU_CHUNK_H

@@ -8,7 +8,7 @@
  * of a 64 x N accumulator, warp w holds rows 16w + g and 16w + g + 8
  * (g = lane / 4) and, per 8-column tile n, columns 8n + 2(lane % 4) + {0, 1}.
  *
- * Per chunk (V-major state S[v][k], KDA.md "Chunked form"; the operands are
+ * Per chunk (V-major state S[v][k], docs/kda.md, "Chunks"; the operands are
  * built from raw q and k, with the norms as per-token factors: smem.cuh):
  *   1  S = S diag(e^c), then [P | O1]^T = S . [kd | qd]^T
  *                                                     m64 n64 k128   A: state, registers
@@ -58,23 +58,43 @@ __device__ __forceinline__ void scale_columns(float (&acc)[64], const float *f, 
     }
 }
 
-/* Loads this thread's 64 state values of (slot, head); zeros when asked to start fresh. */
-__device__ __forceinline__ void load_state(float (&acc)[64], const kda_fwd_params &p, int64_t slot,
-                                           int head, ConsumerLane ln, bool zero)
+/*
+ * Where an item's state lives: the pool slot, or (split path, params.h) an fp32
+ * scratch slot.  Element (v, k) of the head's state is at base + v * D + k.
+ */
+struct StateRef {
+    void *base;
+    bool bf16;
+};
+__device__ __forceinline__ StateRef state_ref(const kda_fwd_params &p, const kda_seq &desc, int head, bool scratch)
 {
-    const int64_t base = (slot * p.heads + head) * int64_t(D * D);
+    if (scratch)
+        return StateRef{p.scratch + (int64_t(desc.reserved) * p.heads + head) * int64_t(D * D), false};
+    const int64_t at = (desc.slot * p.heads + head) * int64_t(D * D);
+    return p.state_is_bf16 ? StateRef{static_cast<uint16_t *>(p.state) + at, true}
+                           : StateRef{static_cast<float *>(p.state) + at, false};
+}
+
+/* Loads this thread's 64 values of the item's initial state: its slot, zeros, or the identity. */
+__device__ __forceinline__ void load_state(float (&acc)[64], const kda_fwd_params &p, const kda_seq &desc, int head,
+                                           ConsumerLane ln)
+{
+    const uint32_t flags = desc.flags;
+    const StateRef s = state_ref(p, desc, head, flags & KDA_SEQ_LOAD_SCRATCH);
+    const bool zero = flags & (KDA_SEQ_ZERO_STATE | KDA_SEQ_IDENTITY_STATE), identity = flags & KDA_SEQ_IDENTITY_STATE;
 #pragma unroll
     for (int nt = 0; nt < D / 8; nt++) {
 #pragma unroll
         for (int half = 0; half < 2; half++) {
-            const int64_t at = base + int64_t(ln.row0 + 8 * half) * D + 8 * nt + ln.col;
-            float2 v = make_float2(0.0f, 0.0f);
+            const int row = ln.row0 + 8 * half, col = 8 * nt + ln.col;
+            const int64_t at = int64_t(row) * D + col;
+            float2 v = make_float2(identity && row == col ? 1.0f : 0.0f, identity && row == col + 1 ? 1.0f : 0.0f);
             if (!zero) {
-                if (p.state_is_bf16) {
-                    const uint32_t w = *reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(p.state) + at);
-                    v = make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+                if (s.bf16) {
+                    const uint32_t w = *reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(s.base) + at);
+                    v = make_float2(bf16_lo(w), bf16_hi(w));
                 } else {
-                    v = *reinterpret_cast<const float2 *>(static_cast<const float *>(p.state) + at);
+                    v = *reinterpret_cast<const float2 *>(static_cast<const float *>(s.base) + at);
                 }
             }
             acc[4 * nt + 2 * half] = v.x;
@@ -83,20 +103,20 @@ __device__ __forceinline__ void load_state(float (&acc)[64], const kda_fwd_param
     }
 }
 
-__device__ __forceinline__ void store_state(const float (&acc)[64], const kda_fwd_params &p, int64_t slot,
+__device__ __forceinline__ void store_state(const float (&acc)[64], const kda_fwd_params &p, const kda_seq &desc,
                                             int head, ConsumerLane ln)
 {
-    const int64_t base = (slot * p.heads + head) * int64_t(D * D);
+    const StateRef s = state_ref(p, desc, head, desc.flags & KDA_SEQ_STORE_SCRATCH);
 #pragma unroll
     for (int nt = 0; nt < D / 8; nt++) {
 #pragma unroll
         for (int half = 0; half < 2; half++) {
-            const int64_t at = base + int64_t(ln.row0 + 8 * half) * D + 8 * nt + ln.col;
+            const int64_t at = int64_t(ln.row0 + 8 * half) * D + 8 * nt + ln.col;
             const float x = acc[4 * nt + 2 * half], y = acc[4 * nt + 2 * half + 1];
-            if (p.state_is_bf16)
-                *reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(p.state) + at) = pack_bf16x2(x, y);
+            if (s.bf16)
+                *reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(s.base) + at) = pack_bf16x2(x, y);
             else
-                *reinterpret_cast<float2 *>(static_cast<float *>(p.state) + at) = make_float2(x, y);
+                *reinterpret_cast<float2 *>(static_cast<float *>(s.base) + at) = make_float2(x, y);
         }
     }
 }
@@ -113,8 +133,8 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
     float ot[16];    /* O^T: n-tile nt = output tokens 8nt .. 8nt + 7 */
     float pq[32];    /* [P^T | O1^T]: n-tiles 0..3 = P^T, 4..7 = O1^T */
     float u[16];     /* U^T */
-    uint16_t *out = nullptr;
-    int64_t slot = 0;
+    uint16_t *out = nullptr;   /* null: the item's outputs are not stored (split path) */
+    uint32_t v_keep = ~0u;     /* 0: the values read as zeros (an identity item, split path) */
 #pragma unroll
     for (int i = 0; i < 64; i++)
         acc[i] = 0.0f;
@@ -128,11 +148,11 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
     for (int i = 0; i < 16; i++)
         u[i] = 0.0f;
 
-    constexpr uint32_t STAGES = prep_stages(PAIRED);
     PROF_START(wg == 0 && tid == 0);
     for (uint32_t n = 0;; n++) {
-        PrepStage &st = sm.prep[n % STAGES];
-        mbar_wait<PAIRED>(&sm.full[n % STAGES], (n / STAGES) & 1);
+        const StageUse use = stage_use<PAIRED>(n);
+        PrepStage &st = sm.prep[use.index];
+        mbar_wait<PAIRED>(&sm.full[use.index], use.phase);
         PROF_MARK(PROF_C_FULLWAIT);
         const ChunkHeader hdr = st.hdr;
         if (hdr.flags & CHUNK_END)
@@ -141,8 +161,8 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         if (hdr.flags & CHUNK_FIRST) {
             const kda_seq &desc = p.seqs[hdr.seq];
             out = desc.out;
-            slot = desc.slot;
-            load_state(acc, p, slot, hdr.head, ln, desc.flags & KDA_SEQ_ZERO_STATE);
+            v_keep = desc.flags & KDA_SEQ_IDENTITY_STATE ? 0u : ~0u;
+            load_state(acc, p, desc, hdr.head, ln);
             PROF_MARK(PROF_C_STATE);
         }
 
@@ -167,8 +187,8 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
             const int mi = lane >> 3, nt = 2 * call + (mi >> 1), half = mi & 1;
             uint32_t r[4];
             ldmatrix_x4_trans(r, st.v.at(8 * nt + (lane & 7), ln.row0 - (lane >> 2) + 8 * half));
-            vt[2 * call] = make_uint2(r[0], r[1]);
-            vt[2 * call + 1] = make_uint2(r[2], r[3]);
+            vt[2 * call] = make_uint2(r[0] & v_keep, r[1] & v_keep);
+            vt[2 * call + 1] = make_uint2(r[2] & v_keep, r[3] & v_keep);
         }
         wgmma_wait<0>();
         fence_operands(pq);
@@ -179,10 +199,10 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         for (int nt = 0; nt < C / 8; nt++) {
             const float2 bn = *reinterpret_cast<const float2 *>(&st.bn[8 * nt + ln.col]);
             const float2 bn2 = *reinterpret_cast<const float2 *>(&st.bn2[8 * nt + ln.col]);
-            pq[4 * nt + 0] = bn.x * __uint_as_float(vt[nt].x << 16) - bn2.x * pq[4 * nt + 0];
-            pq[4 * nt + 1] = bn.y * __uint_as_float(vt[nt].x & 0xffff0000u) - bn2.y * pq[4 * nt + 1];
-            pq[4 * nt + 2] = bn.x * __uint_as_float(vt[nt].y << 16) - bn2.x * pq[4 * nt + 2];
-            pq[4 * nt + 3] = bn.y * __uint_as_float(vt[nt].y & 0xffff0000u) - bn2.y * pq[4 * nt + 3];
+            pq[4 * nt + 0] = bn.x * bf16_lo(vt[nt].x) - bn2.x * pq[4 * nt + 0];
+            pq[4 * nt + 1] = bn.y * bf16_hi(vt[nt].x) - bn2.y * pq[4 * nt + 1];
+            pq[4 * nt + 2] = bn.x * bf16_lo(vt[nt].y) - bn2.x * pq[4 * nt + 2];
+            pq[4 * nt + 3] = bn.y * bf16_hi(vt[nt].y) - bn2.y * pq[4 * nt + 3];
         }
 
         /* 3: U^T = Uin^T . INV^T */
@@ -249,18 +269,18 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
 
         /* Every read of this stage is done: release it before the output stores, since an arrival
            with release at cluster scope waits for this thread's earlier stores to reach L2. */
-        uint64_t *empty = &sm.empty[n % STAGES];
+        uint64_t *empty = &sm.empty[use.index];
         mbar_arrive(empty);
         if (PAIRED)                                 /* the peer's producers write into both CTAs' stage */
             mbar_arrive_cluster(cluster_addr(empty, cluster_rank() ^ 1), 1);
 #pragma unroll
         for (int pass = 0; pass < 2; pass++) {
             const int i = tid / 8 + 16 * pass, col = wg * ROWS_PER_CONSUMER + (tid % 8) * 8;
-            if (i < hdr.ntok)
+            if (i < hdr.ntok && out)
                 *reinterpret_cast<uint4 *>(out + (hdr.t0 + i) * stride + int64_t(hdr.head) * D + col) = rows[pass];
         }
         if (hdr.flags & CHUNK_LAST)
-            store_state(acc, p, slot, hdr.head, ln);
+            store_state(acc, p, p.seqs[hdr.seq], hdr.head, ln);
         PROF_MARK(PROF_C_EPILOGUE);
     }
     PROF_FLUSH(PROF_TOTAL);

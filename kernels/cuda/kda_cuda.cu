@@ -10,14 +10,26 @@
 #include <stdlib.h>
 
 #include "kda_fwd_sm90.h"
+#include "smem.cuh"
+#include "split.h"
+
+/* Split path (split.h): segments of at least this many tokens; ALWAYS cuts down to two chunks. */
+static const int32_t SPLIT_MIN_TOKENS = 2048, SPLIT_MIN_TOKENS_ALWAYS = 64;
+/* AUTO splits when at least three segments per sequence fit: pass 1 and pass 3 cost about two
+   chains of a third of the length, against one of the whole length. */
+static const int SPLIT_MIN_SEGS = 3;
 
 struct kda_cuda {
     int device;
     int sm_count;
     int paired_clusters;         /* clusters of paired chains that run at once */
     kda_cuda_pairing pairing;
+    kda_cuda_split split;
     char name[256];
     kda_sched_counters *sched;   /* device memory, zeroed once; the kernel resets it */
+    float *split_states;         /* device: the split path's scratch states (kda_split_scratch_states) */
+    kda_seq *split_table;        /* device: its descriptors (kda_split_table_entries) */
+    int32_t *split_counts;       /* device: their two counts */
 };
 
 static int cuda_fail(kda_error *err, cudaError_t e, const char *what)
@@ -29,9 +41,13 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
 {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0)
-        return kda_fail(err, KDA_ENOTSUP, "no CUDA device (%s)",
-                        e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+    if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice || (e == cudaSuccess && count == 0))
+        return kda_fail(err, KDA_ENOTSUP, "no GPU: %s",
+                        e == cudaErrorInsufficientDriver
+                            ? "no NVIDIA driver is loaded, or it is older than this CUDA runtime"
+                            : "the NVIDIA driver sees no device");
+    if (e != cudaSuccess)
+        return cuda_fail(err, e, "cudaGetDeviceCount");
     if (device < 0 || device >= count)
         return kda_fail(err, KDA_ENOTSUP, "CUDA device %d does not exist (%d present)", device, count);
     cudaDeviceProp prop;
@@ -58,12 +74,15 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
         return cuda_fail(err, e, "cudaOccupancyMaxActiveClusters");
     }
     snprintf(cuda->name, sizeof cuda->name, "%s", prop.name);
+    const size_t states = kda_split_scratch_states(cuda->sm_count), entries = kda_split_table_entries(cuda->sm_count);
     if ((e = cudaMalloc(&cuda->sched, sizeof *cuda->sched)) != cudaSuccess ||
         (e = cudaMemset(cuda->sched, 0, sizeof *cuda->sched)) != cudaSuccess ||
+        (e = cudaMalloc(&cuda->split_states, states * KDA_HEAD_DIM * KDA_HEAD_DIM * sizeof(float))) != cudaSuccess ||
+        (e = cudaMalloc(&cuda->split_table, entries * sizeof(kda_seq))) != cudaSuccess ||
+        (e = cudaMalloc(&cuda->split_counts, 2 * sizeof(int32_t))) != cudaSuccess ||
         (e = cudaDeviceSynchronize()) != cudaSuccess) {
-        cudaFree(cuda->sched);
-        free(cuda);
-        return cuda_fail(err, e, "allocating the scheduler counters");
+        kda_cuda_destroy(cuda);
+        return cuda_fail(err, e, "allocating the scheduler counters and the split path's scratch");
     }
     *out = cuda;
     return KDA_OK;
@@ -74,6 +93,9 @@ extern "C" void kda_cuda_destroy(kda_cuda *cuda)
     if (!cuda)
         return;
     cudaFree(cuda->sched);
+    cudaFree(cuda->split_states);
+    cudaFree(cuda->split_table);
+    cudaFree(cuda->split_counts);
     free(cuda);
 }
 
@@ -81,6 +103,7 @@ extern "C" const char *kda_cuda_device_name(const kda_cuda *cuda) { return cuda-
 extern "C" int kda_cuda_sm_count(const kda_cuda *cuda) { return cuda->sm_count; }
 extern "C" int kda_cuda_paired_clusters(const kda_cuda *cuda) { return cuda->paired_clusters; }
 extern "C" void kda_cuda_set_pairing(kda_cuda *cuda, kda_cuda_pairing pairing) { cuda->pairing = pairing; }
+extern "C" void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split) { cuda->split = split; }
 
 extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err)
 {
@@ -95,11 +118,22 @@ extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, i
         const uintptr_t any = (uintptr_t)s->q | (uintptr_t)s->k | (uintptr_t)s->v | (uintptr_t)s->g | (uintptr_t)s->out;
         if (s->len > 0 && (any & 15))
             return kda_fail(err, KDA_EINVAL, "seqs[%lld]: q, k, v, g and out must be 16-byte aligned", (long long)i);
-        if (s->len > INT32_MAX - 32)
+        if (s->len > INT32_MAX - kda::C)
             return kda_fail(err, KDA_EINVAL, "seqs[%lld]: %lld tokens exceed the kernel's range",
                             (long long)i, (long long)s->len);
     }
     return KDA_OK;
+}
+
+/* The fused kernel over the first *p.nseqs of at most max_seqs descriptors: paired chains or one CTA each. */
+static cudaError_t launch_fused(const kda_cuda *cuda, const kda_fwd_params &p, int32_t max_seqs, cudaStream_t s)
+{
+    const int64_t items = (int64_t)max_seqs * p.heads;
+    const bool paired = cuda->paired_clusters > 0 && cuda->pairing != KDA_CUDA_PAIRING_OFF &&
+                        (cuda->pairing == KDA_CUDA_PAIRING_ALWAYS || items <= cuda->paired_clusters);
+    if (paired)
+        return kda_fwd_launch_paired(p, items < cuda->paired_clusters ? (int)items : cuda->paired_clusters, s);
+    return kda_fwd_launch(p, items < cuda->sm_count ? (int)items : cuda->sm_count, s);
 }
 
 extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_seq *seqs_dev,
@@ -115,17 +149,35 @@ extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_
     p.seqs = seqs_dev;
     p.nseqs = nseqs_dev;
     p.state = pool->state;
+    p.scratch = nullptr;
     p.heads = pool->heads;
     p.state_is_bf16 = pool->dtype == KDA_DTYPE_BF16;
     p.sched = cuda->sched;
-    const int64_t items = (int64_t)max_seqs * pool->heads;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const bool paired = cuda->paired_clusters > 0 && cuda->pairing != KDA_CUDA_PAIRING_OFF &&
-                        (cuda->pairing == KDA_CUDA_PAIRING_ALWAYS || items <= cuda->paired_clusters);
+    const int segs = cuda->split == KDA_CUDA_SPLIT_OFF ? 0
+                   : kda_split_segments(cuda->sm_count, max_seqs, pool->heads,
+                                        cuda->split == KDA_CUDA_SPLIT_ALWAYS ? 2 : SPLIT_MIN_SEGS);
     cudaError_t e;
-    if (paired)
-        e = kda_fwd_launch_paired(p, items < cuda->paired_clusters ? (int)items : cuda->paired_clusters, s);
-    else
-        e = kda_fwd_launch(p, items < cuda->sm_count ? (int)items : cuda->sm_count, s);
+    if (segs == 0) {
+        e = launch_fused(cuda, p, max_seqs, s);
+    } else {   /* split.h: plan, pass 1, scan, pass 3 */
+        const int32_t min_tokens = cuda->split == KDA_CUDA_SPLIT_ALWAYS ? SPLIT_MIN_TOKENS_ALWAYS : SPLIT_MIN_TOKENS;
+        const int32_t units = max_seqs * segs;
+        kda_fwd_params pass = p;
+        pass.scratch = cuda->split_states;
+        e = kda_split_plan(p, cuda->split_table, cuda->split_counts, max_seqs, segs, min_tokens, s);
+        if (e == cudaSuccess) {
+            pass.seqs = cuda->split_table;
+            pass.nseqs = cuda->split_counts;
+            e = launch_fused(cuda, pass, 2 * units, s);
+        }
+        if (e == cudaSuccess)
+            e = kda_split_scan(p, cuda->split_states, max_seqs, segs, min_tokens, s);
+        if (e == cudaSuccess) {
+            pass.seqs = cuda->split_table + 2 * units;
+            pass.nseqs = cuda->split_counts + 1;
+            e = launch_fused(cuda, pass, units, s);
+        }
+    }
     return e == cudaSuccess ? KDA_OK : cuda_fail(err, e, "launching the KDA kernel");
 }

@@ -13,7 +13,7 @@
  *
  * Per chunk n (C = 32 tokens of one (sequence, head)), with c the gate prefix
  * sum at the chunk's middle token (per key dim) so every exponent below stays
- * within e^+-80 (KDA.md, "Range").  In the elementwise passes thread p
+ * within e^+-80 (docs/kda.md, "Chunks").  In the elementwise passes thread p
  * (0..127) of the warpgroup owns key dims 4 (p % 32) .. + 3 over quarter
  * chunk p / 32 (8 tokens):
  *
@@ -54,8 +54,6 @@ namespace kda {
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int QUARTER = C / 4;       /* tokens per producer thread (and per warp) */
 
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float sigmoid(float x) { return fast_rcp(1.0f + fast_exp2(-x * LOG2E)); }
 
 /*
@@ -545,7 +543,6 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
     const ProducerSync sync{BAR_PRODUCER + uint32_t(wg)};
     uint64_t *loaded = &sm.loaded[wg];
     constexpr uint32_t STRIDE = PAIRED ? 4 : 2;    /* chunks from one of the warpgroup's to its next */
-    constexpr uint32_t STAGES = prep_stages(PAIRED);
     const uint32_t first_n = PAIRED ? 2 * cluster_rank() + uint32_t(wg) : uint32_t(wg);
     const auto plan = [&](uint32_t k, ChunkInfo &info) {   /* thread 0: the warpgroup's k-th chunk */
         if (PAIRED)
@@ -576,9 +573,10 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
     for (uint32_t k = 0;; k++) {
         const uint32_t n = STRIDE * k + first_n;   /* the chunk's number in the CTA's (cluster's) sequence */
         ChunkInfo &info = area.info[k % 3], &next = area.info[(k + 1) % 3], &after = area.info[(k + 2) % 3];
-        PrepStage &st = sm.prep[n % STAGES];
-        uint64_t *full = &sm.full[n % STAGES], *empty = &sm.empty[n % STAGES];
-        const uint32_t phase = (n / STAGES) & 1;
+        const StageUse use = stage_use<PAIRED>(n);
+        PrepStage &st = sm.prep[use.index];
+        uint64_t *full = &sm.full[use.index], *empty = &sm.empty[use.index];
+        const uint32_t phase = use.phase;
         if (PAIRED && (info.hdr.flags & CHUNK_PAST_END)) {   /* another warpgroup stops the consumers */
             PROF_FLUSH(PROF_TOTAL);
             return;
@@ -589,7 +587,8 @@ __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_p
         PROF_MARK(PROF_P_FETCH);
         mbar_wait(loaded, k & 1);                  /* this chunk's rows have landed */
         PROF_MARK(PROF_P_LOADWAIT);
-        mbar_wait<PAIRED>(empty, phase ^ 1);       /* the consumers (both CTAs') are done with chunk n - 4 */
+        mbar_wait<PAIRED>(empty, phase ^ 1);       /* the consumers (both CTAs') are done with the stage's
+                                                      previous chunk, n - prep_stages(PAIRED) */
         fence_proxy_async();
         PROF_MARK(PROF_P_EMPTYWAIT);
         const ChunkHeader hdr = info.hdr;

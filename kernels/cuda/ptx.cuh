@@ -240,19 +240,15 @@ __device__ __forceinline__ float select_f32(bool c, float a, float b)
     return y;
 }
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+/* bf16 is the upper half of a float: the low and high bf16 of a 32-bit pair (or one bf16, as lo). */
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
 /* Two floats to a bf16x2 register, lo in the low half (round to nearest even). */
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi)
 {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&v);
-}
-
-__device__ __forceinline__ uint16_t f32_to_bf16(float x)
-{
-    __nv_bfloat16 v = __float2bfloat16_rn(x);
-    return *reinterpret_cast<uint16_t *>(&v);
 }
 
 /* ---- wgmma -------------------------------------------------------------- */

@@ -27,6 +27,23 @@ constexpr int C = 32;               /* tokens per chunk */
 constexpr int PREP_STAGES = 4;
 constexpr int prep_stages(bool paired) { return paired ? 4 : 3; }
 
+/* Where chunk n of a CTA's (cluster's) sequence goes in the ring, for producers and consumers alike:
+   its stage, and the parity of the stage's full barrier phase that holds it (the empty barrier's
+   phase before it has the other parity). */
+struct StageUse {
+    uint32_t index;
+    uint32_t phase;
+};
+template <bool PAIRED>
+__host__ __device__ __forceinline__ constexpr StageUse stage_use(uint32_t n)
+{
+    return StageUse{n % uint32_t(prep_stages(PAIRED)), (n / uint32_t(prep_stages(PAIRED))) & 1u};
+}
+
+/* The H200's (sm_90) limits the layout and the register budgets are sized for. */
+constexpr size_t SM90_SMEM_PER_BLOCK = 232448;   /* opt-in dynamic shared memory per block */
+constexpr int SM90_REGISTERS = 65536;            /* 32-bit registers per SM, all of them one block's */
+
 /*
  * Warpgroup roles.  A chain's state is held by two consumer warpgroups of 64
  * rows each.  One CTA per chain: WG0 and WG1 prepare alternate chunks, WG2
@@ -55,7 +72,7 @@ constexpr int threads(bool paired) { return WG_THREADS * (PRODUCER_WGS + consume
  */
 constexpr uint32_t producer_regs(bool paired) { return paired ? 104 : 88; }
 constexpr uint32_t consumer_regs(bool paired) { return paired ? 240 : 168; }
-constexpr int launch_regs(bool paired) { return 65536 / threads(paired) / 8 * 8; }
+constexpr int launch_regs(bool paired) { return SM90_REGISTERS / threads(paired) / 8 * 8; }
 constexpr bool regs_fit(bool paired)
 {
     return producer_regs(paired) * PRODUCER_THREADS + consumer_regs(paired) * WG_THREADS * consumer_wgs(paired) <=
@@ -251,6 +268,6 @@ constexpr uint32_t STAGE_COPY_BYTES = uint32_t(offsetof(PrepStage, hdr) + sizeof
 static_assert(STAGE_COPY_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 constexpr size_t SMEM_BYTES = sizeof(SharedStorage) + 1024;   /* + alignment slack of the dynamic base */
-static_assert(SMEM_BYTES <= 232448, "shared memory exceeds the sm_90 per-block opt-in limit");
+static_assert(SMEM_BYTES <= SM90_SMEM_PER_BLOCK, "shared memory exceeds the sm_90 per-block opt-in limit");
 
 }  // namespace kda

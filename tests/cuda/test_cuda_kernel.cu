@@ -1,7 +1,7 @@
 /*
  * test_cuda_kernel.cu - the fused kernel (kda_cuda.h) on the GPU.
  *
- *   golden cases       every ../shared/golden case, fp32 and bf16 pools
+ *   golden cases       every golden case (docs/kda.md), fp32 and bf16 pools
  *   random workloads   the six standard shapes, fresh seeds, outputs poisoned,
  *                      against the float64 oracle (gpu_testutil.cu)
  *   edges              lengths around the chunk, zero-length sequences with
@@ -10,9 +10,14 @@
  *   buffers            one launch over sequences in different allocations
  *   graphs             one captured launch replayed with new batches
  *   determinism        the same batch twice gives the same bits
+ *   split chains       long sequences of few chains cut into segments
+ *                      (kda_cuda_set_split): 32768 and 131072 tokens against
+ *                      the oracle, slow gates, cuts at every length, graphs,
+ *                      determinism; the golden cases and edges cut too
  *
  * Exits 77 (skipped) without an sm_90 GPU.  KDA_GPU_TEST_QUICK=1 runs only a
- * small varlen batch (for compute-sanitizer).
+ * small varlen batch, whole and cut (for compute-sanitizer); =split only the
+ * cut one.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -461,6 +466,106 @@ static void deterministic(void **unused)
     free_batch(b);
 }
 
+/* ---- split chains (kda_cuda_set_split) --------------------------------------- */
+
+/* Lengths around the cuts (64-token segments under ALWAYS), zero-length sequences, both pools. */
+static void split_edges(void **unused)
+{
+    const std::vector<int64_t> lens = {1000, 200, 0, 65, 64, 33, 1, 0};
+    for (int dt = 0; dt < 2; dt++) {
+        DevBatch b = make_batch(2, lens, iota_slots(lens.size(), 9, -1), seed + 1300 + dt);
+        b.seqs[2].flags = KDA_SEQ_ZERO_STATE;        /* empty: the slot becomes zero */
+        b.seqs[3].flags = KDA_SEQ_ZERO_STATE;        /* cut, from a zero state */
+        upload_seqs(b);
+        kda_pool pool = make_pool(2, 11, dt ? KDA_DTYPE_BF16 : KDA_DTYPE_F32, seed + 1400);
+        run_and_check(b, pool, dt ? "split edges, bf16 pool" : "split edges, fp32 pool");
+        cudaFree(pool.state);
+        free_batch(b);
+    }
+}
+
+/* Few chains, long sequences: what AUTO cuts (H = 8: eight segments per sequence). */
+static void split_long(void **unused)
+{
+    struct { const char *name; int heads; std::vector<int64_t> lens; kda_dtype dtype; float lb; } w[] = {
+        {"H8 x 32768, fp32 pool", 8, {32768}, KDA_DTYPE_F32, -5.0f},
+        {"H8 x 32768, bf16 pool", 8, {32768}, KDA_DTYPE_BF16, -5.0f},
+        {"H4 x 20000 + 9000, slow gates (-0.1)", 4, {20000, 9000}, KDA_DTYPE_F32, -0.1f},
+        {"H8 x 131072, fp32 pool", 8, {131072}, KDA_DTYPE_F32, -5.0f},
+    };
+    for (auto &x : w) {
+        DevBatch b = make_batch(x.heads, x.lens, iota_slots(x.lens.size(), 1), seed + 1500, x.lb);
+        kda_pool pool = make_pool(x.heads, int64_t(x.lens.size()) + 1, x.dtype, seed + 1600);
+        run_and_check(b, pool, x.name);
+        cudaFree(pool.state);
+        free_batch(b);
+    }
+}
+
+/* One captured launch (a bucket of 2 sequences, H = 4: split) replayed with batches cut and not cut. */
+static void split_graph_replay(void **unused)
+{
+    const int32_t bucket = 2, heads = 4;
+    kda_seq *table;
+    int32_t *count;
+    GPU_CHECK(cudaMalloc(&table, sizeof(kda_seq) * bucket));
+    GPU_CHECK(cudaMalloc(&count, sizeof(int32_t)));
+    kda_pool pool = make_pool(heads, 6, KDA_DTYPE_F32, seed + 1700);
+    cudaStream_t stream;
+    GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    GPU_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    kda_error err = {};
+    assert_int_equal(kda_cuda_prefill(cu, &pool, table, count, bucket, stream, &err), KDA_OK);
+    GPU_CHECK(cudaStreamEndCapture(stream, &graph));
+    GPU_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+    const std::vector<std::vector<int64_t>> lens = {{9000, 3000}, {40000}, {100, 0}};
+    const std::vector<std::vector<int64_t>> slots = {{3, 1}, {5}, {0, 2}};
+    for (size_t r = 0; r < lens.size(); r++) {
+        DevBatch b = make_batch(heads, lens[r], slots[r], seed + 1800 + r);
+        kda_pool before = clone_pool(pool);
+        GPU_CHECK(cudaMemset(b.out, 0xff, size_t(b.total) * heads * KDA_HEAD_DIM * 2));
+        GPU_CHECK(cudaMemcpy(table, b.seqs.data(), sizeof(kda_seq) * b.nseqs, cudaMemcpyHostToDevice));
+        GPU_CHECK(cudaMemcpy(count, &b.nseqs, sizeof(int32_t), cudaMemcpyHostToDevice));
+        GPU_CHECK(cudaGraphLaunch(exec, stream));
+        GPU_CHECK(cudaStreamSynchronize(stream));
+        double oe, se;
+        oracle_errors(b, before, pool, &oe, &se);
+        print_message("  split graph replay %zu (%d seqs): out %.5f state %.5f\n", r, b.nseqs, oe, se);
+        assert_true(oe <= BOUND && se <= BOUND);
+        cudaFree(before.state);
+        free_batch(b);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    cudaFree(table);
+    cudaFree(count);
+    cudaFree(pool.state);
+}
+
+static void split_deterministic(void **unused)
+{
+    DevBatch b = make_batch(8, {20000}, {0}, seed + 1900);
+    kda_pool p1 = make_pool(8, 1, KDA_DTYPE_F32, seed + 1901), p2 = clone_pool(p1);
+    const size_t out_bytes = size_t(b.total) * 8 * KDA_HEAD_DIM * 2;
+    std::vector<char> o1(out_bytes), o2(out_bytes), s1(pool_bytes(p1)), s2(pool_bytes(p1));
+    launch(p1, b.seqs_dev, b.nseqs_dev, b.nseqs);
+    GPU_CHECK(cudaMemcpy(o1.data(), b.out, out_bytes, cudaMemcpyDeviceToHost));
+    GPU_CHECK(cudaMemset(b.out, 0, out_bytes));
+    launch(p2, b.seqs_dev, b.nseqs_dev, b.nseqs);
+    GPU_CHECK(cudaMemcpy(o2.data(), b.out, out_bytes, cudaMemcpyDeviceToHost));
+    GPU_CHECK(cudaMemcpy(s1.data(), p1.state, s1.size(), cudaMemcpyDeviceToHost));
+    GPU_CHECK(cudaMemcpy(s2.data(), p2.state, s2.size(), cudaMemcpyDeviceToHost));
+    assert_memory_equal(o1.data(), o2.data(), out_bytes);
+    assert_memory_equal(s1.data(), s2.data(), s1.size());
+    cudaFree(p1.state);
+    cudaFree(p2.state);
+    free_batch(b);
+}
+
 /* The host-side batch check (no device needed: it runs in CI too). */
 static void host_checks(void **unused)
 {
@@ -492,6 +597,17 @@ static int set_pairing(kda_cuda_pairing pairing, const char *what)
 static int pairing_auto(void **) { return set_pairing(KDA_CUDA_PAIRING_AUTO, "paired CTAs when they fit, else one CTA each"); }
 static int pairing_off(void **) { return set_pairing(KDA_CUDA_PAIRING_OFF, "one CTA each"); }
 static int pairing_always(void **) { return set_pairing(KDA_CUDA_PAIRING_ALWAYS, "paired CTAs, several chains per cluster"); }
+/* Split groups: pairing back to AUTO, and the split mode for the group's tests (reset after). */
+static int set_split(kda_cuda_split split, const char *what)
+{
+    kda_cuda_set_pairing(cu, KDA_CUDA_PAIRING_AUTO);
+    kda_cuda_set_split(cu, split);
+    printf("-- chains %s\n", what);
+    return 0;
+}
+static int split_auto(void **) { return set_split(KDA_CUDA_SPLIT_AUTO, "cut when few and long (automatic)"); }
+static int split_always(void **) { return set_split(KDA_CUDA_SPLIT_ALWAYS, "cut whenever two segments fit, down to 64 tokens"); }
+static int split_reset(void **) { kda_cuda_set_split(cu, KDA_CUDA_SPLIT_AUTO); return 0; }
 
 int main()
 {
@@ -520,10 +636,16 @@ int main()
         cmocka_unit_test(graph_replay),
     };
     int failed;
-    if (getenv("KDA_GPU_TEST_QUICK")) {
+    const char *quick = getenv("KDA_GPU_TEST_QUICK");
+    if (quick && !strcmp(quick, "split")) {   /* the split path alone (racecheck is slow) */
+        const struct CMUnitTest quick_split[] = {cmocka_unit_test(split_edges)};
+        failed = cmocka_run_group_tests_name("split chains", quick_split, split_always, split_reset);
+    } else if (quick) {
         const struct CMUnitTest quick[] = {cmocka_unit_test(varlen_edges)};
+        const struct CMUnitTest quick_split[] = {cmocka_unit_test(split_edges)};
         failed = cmocka_run_group_tests_name("one CTA per chain", quick, pairing_off, nullptr) +
-                 cmocka_run_group_tests_name("paired chains", quick, pairing_always, nullptr);
+                 cmocka_run_group_tests_name("paired chains", quick, pairing_always, nullptr) +
+                 cmocka_run_group_tests_name("split chains", quick_split, split_always, split_reset);
     } else {
         const struct CMUnitTest tests[] = {
             cmocka_unit_test(golden_cases),         cmocka_unit_test(varlen_edges),
@@ -531,9 +653,15 @@ int main()
             cmocka_unit_test(long_sequence),        cmocka_unit_test(sequences_in_separate_buffers),
             cmocka_unit_test(graph_replay),         cmocka_unit_test(deterministic),
         };
+        const struct CMUnitTest split_auto_tests[] = {
+            cmocka_unit_test(split_long), cmocka_unit_test(split_graph_replay), cmocka_unit_test(split_deterministic),
+        };
+        const struct CMUnitTest split_always_tests[] = {cmocka_unit_test(golden_cases), cmocka_unit_test(split_edges)};
         failed = cmocka_run_group_tests_name("automatic pairing", tests, pairing_auto, nullptr) +
                  cmocka_run_group_tests_name("one CTA per chain", forced, pairing_off, nullptr) +
-                 cmocka_run_group_tests_name("paired chains", forced, pairing_always, nullptr);
+                 cmocka_run_group_tests_name("paired chains", forced, pairing_always, nullptr) +
+                 cmocka_run_group_tests_name("split chains", split_auto_tests, split_auto, split_reset) +
+                 cmocka_run_group_tests_name("split chains, every cut", split_always_tests, split_always, split_reset);
     }
     kda_cuda_destroy(cu);
     return failed;

@@ -1,7 +1,7 @@
 /*
  * gpu_testutil.h - GPU helpers for the CUDA backend's tests and benchmark:
  * random fills done on the device, a float64 oracle (the token loop of
- * KDA.md, one block per (sequence, head)), and error reductions.
+ * docs/kda.md, one block per (sequence, head)), and error reductions.
  */
 #pragma once
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Joins scripts/e2e-bench.sh output with the kernel's own times (bench_kernel --json
+"""Joins scripts/dev/e2e-bench.sh output with the kernel's own times (bench_kernel --json
 from the same GPU call) into bench/h200-e2e.json and prints markdown tables.
 
-  scripts/e2e-report.py [--out FILE] KERNEL_JSON E2E_JSONL [E2E_JSONL...] > table.md
+  scripts/dev/e2e-report.py [--out FILE] KERNEL_JSON E2E_JSONL [E2E_JSONL...] > table.md
 
 Latency rows (1 client, 1 request in flight): e2e_ms is the client's median
 latency (send to completion) and kernel_ms the bare kernel on the same batch.
@@ -57,7 +57,7 @@ def phases(before, after):
     if n <= 0:
         return None
     res = {"batches": n}
-    for k in ["batches_held", "batches_gathered"]:   # kdad 0.1.0 of the sixth session on
+    for k in ["batches_held", "batches_gathered"]:   # counted by newer kdad builds only
         if k in a and k in b:
             res[k.replace("batches_", "")] = a[k] - b[k]
     for p in PHASES:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end benchmark of kdad on a GPU host (issue 4): per-request latency of
+# End-to-end benchmark of kdad on a GPU host: per-request latency of
 # the six standard workloads over each transport, and throughput of many
 # concurrent 1024-token clients with and without batching.  Each measurement
 # is one line of $OUT/e2e.jsonl:
@@ -7,9 +7,9 @@
 #    "stats_before": kdactl --json stats, "stats_after": kdactl --json stats}
 # The stats pair brackets the measurement: the difference of their batch_us
 # sums is where the daemon's time went, per phase, for exactly its batches.
-# scripts/e2e-report.py joins the lines with the kernel's own times.
+# scripts/dev/e2e-report.py joins the lines with the kernel's own times.
 #
-#   scripts/e2e-bench.sh BIN_DIR      (BIN_DIR holds kdad and kdactl)
+#   scripts/dev/e2e-bench.sh BIN_DIR      (BIN_DIR holds kdad and kdactl)
 #
 # A "socket round trip" and a "ring round trip" line (kdactl --json ping of 2000
 # health requests, the second over a frame ring with a polling client) come first
@@ -27,7 +27,7 @@
 # 2 MiB boundaries (kdactl bench --align), E2E_ONLY=ring
 # only the ring comparison, for quick checks.  E2E_ONLY=ab runs the single-client ring rows
 # over VMM (H96, H64) for BIN_DIR and for another build's kdad and kdactl in BASE_BIN,
-# interleaved twice: an A/B within one call (scripts/gpu-bundle-base.sh REV makes
+# interleaved twice: an A/B within one call (scripts/dev/gpu-bundle-base.sh REV makes
 # .device/bin-base).
 set -uo pipefail
 bin=${1:?usage: e2e-bench.sh BIN_DIR}

@@ -12,10 +12,37 @@ in order with the right contents (the last one is END), that no stage is written
 reads it, that no barrier gets more arrivals than its count, and that nothing deadlocks.  A change
 to the protocol (stages, strides, who waits on what) should be tried here first.
 
-    python3 scripts/pipeline-model.py
+    python3 scripts/dev/pipeline-model.py
+
+The stage counts, strides and barrier counts are read from the kernel's sources (kernel_constants),
+so the model fails when they change and it is not changed with them; ctest runs it (pipeline_model).
 """
 import heapq
+import os
 import random
+import re
+
+KERNEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels", "cuda")
+
+
+def kernel_constants():
+    """The protocol's numbers as smem.cuh and producer.cuh define them."""
+    def grab(name, pattern):
+        with open(os.path.join(KERNEL, name)) as f:
+            m = re.search(pattern, f.read())
+        assert m, f"{name}: no match for {pattern!r}: update the model with the kernel"
+        return m.groups()
+    paired_stages, solo_stages = grab("smem.cuh", r"prep_stages\(bool paired\) \{ return paired \? (\d+) : (\d+); \}")
+    (wg,) = grab("smem.cuh", r"constexpr int WG_THREADS = (\d+);")
+    full, empty = grab("smem.cuh", r"FULL_ARRIVALS = (\d+) \* WG_THREADS;[\s\S]*EMPTY_ARRIVALS = WG_THREADS \* (\w+);")
+    (consumers,) = grab("smem.cuh", r"constexpr int %s = (\d+);" % empty)
+    paired_stride, solo_stride = grab("producer.cuh", r"STRIDE = PAIRED \? (\d+) : (\d+);")
+    return {"stages": {"paired": int(paired_stages), "solo": int(solo_stages)},
+            "stride": {"paired": int(paired_stride), "solo": int(solo_stride)},
+            "wg": int(wg), "full": int(full) * int(wg), "empty": int(wg) * int(consumers)}
+
+
+K = kernel_constants()
 
 
 class Bar:
@@ -70,11 +97,12 @@ def model(layout, total, seed):
     sim = Sim(seed)
     rnd = sim.rnd
     ctas = 2 if layout == "paired" else 1
-    stages = 4 if layout == "paired" else 3
+    stages = K["stages"][layout]
     producers = [(r, w) for r in range(ctas) for w in range(2)]
     stride = len(producers)
-    full = [[Bar(f"full{r}.{s}", 256) for s in range(stages)] for r in range(ctas)]
-    empty = [[Bar(f"empty{r}.{s}", 256) for s in range(stages)] for r in range(ctas)]
+    assert stride == K["stride"][layout], f"{layout}: the kernel's producers stride {K['stride'][layout]}"
+    full = [[Bar(f"full{r}.{s}", K["full"]) for s in range(stages)] for r in range(ctas)]
+    empty = [[Bar(f"empty{r}.{s}", K["empty"]) for s in range(stages)] for r in range(ctas)]
     stage = [[None] * stages for _ in range(ctas)]
     reading = [[None] * stages for _ in range(ctas)]
     content = lambda n: "END" if n == total else n
@@ -92,8 +120,8 @@ def model(layout, total, seed):
         def stage_free():
             write(r, s, n)
             def prepared():
-                full[r][s].arrive(128)                         # the warpgroup's threads
-                sim.at(rnd.uniform(0, 1), lambda: full[r][s].arrive(128))   # its value copies
+                full[r][s].arrive(K["wg"])                     # the warpgroup's threads
+                sim.at(rnd.uniform(0, 1), lambda: full[r][s].arrive(K["full"] - K["wg"]))   # its value copies
                 if layout == "paired":                         # thread 0, once the stage is complete
                     def complete():
                         peer = r ^ 1
@@ -104,7 +132,7 @@ def model(layout, total, seed):
                             stage[peer][s] = data
                             full[peer][s].complete_tx(1000)
                         sim.at(rnd.uniform(0.1, 2), landed)
-                        full[peer][s].arrive(255)
+                        full[peer][s].arrive(K["full"] - 1)
                     sim.wait(full[r][s], (n // stages) & 1, complete)
                 if n < total:
                     producer(r, w, k + 1)
@@ -126,7 +154,7 @@ def model(layout, total, seed):
             def done():
                 if wg == 0:
                     reading[r][s] = None
-                arrivals = 128                                # a consumer warpgroup's threads
+                arrivals = K["wg"]                            # a consumer warpgroup's threads
                 for cta in range(ctas):                       # paired: both CTAs' empty barriers
                     empty[cta][s].arrive(arrivals)
                 consumer(r, wg, n + 1)

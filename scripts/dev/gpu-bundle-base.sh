@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds another revision's kdad, kdactl and libkdaclient into .device/bin-base, the BASE_BIN
-# of `E2E_ONLY=ab scripts/gpu-check.sh e2e` (the single-client ring rows of this tree's build
-# and of REV, interleaved).  Run scripts/gpu-bundle.sh first; debug information is stripped
-# here too, so that .device fits a device call's carry (64 MiB).
+# of `E2E_ONLY=ab scripts/dev/gpu-check.sh e2e` (the single-client ring rows of this tree's build
+# and of REV, interleaved).  Run scripts/dev/gpu-bundle.sh first; debug information is stripped
+# here too, so that .device stays under the 64 MiB a transfer to the GPU host takes.
 #
-#   scripts/gpu-bundle-base.sh REV
+#   scripts/dev/gpu-bundle-base.sh REV
 set -euo pipefail
-cd "$(dirname "$0")/.."
-rev=${1:?usage: scripts/gpu-bundle-base.sh REV}
+cd "$(dirname "$0")/../.."
+rev=${1:?usage: scripts/dev/gpu-bundle-base.sh REV}
 tree=$(mktemp -d /tmp/kdad-base-XXXXXX)
 trap 'git worktree remove --force "$tree" >/dev/null 2>&1 || true; rm -rf "$tree"' EXIT
 git worktree add --quiet --detach "$tree" "$rev"

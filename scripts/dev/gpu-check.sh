@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# Runs on the GPU host (the `device` tool): the GPU tests, compute-sanitizer on
-# a varlen batch, and the kernel benchmark, from binaries built on the CPU
-# machine and carried in .device/ (see scripts/gpu-bundle.sh).  Full logs go
-# to $OUT (as logs.tar.gz, beside the JSON results: the device tool brings back at most
-# 8 files); a short summary is printed last.
+# Runs on the GPU host: the GPU tests, compute-sanitizer on a varlen batch, and
+# the kernel benchmark, from binaries built on a build machine and copied in
+# .device/ (scripts/dev/gpu-bundle.sh).  Full logs go to $OUT (one logs.tar.gz
+# beside the JSON results, so that few files travel back); a short summary is
+# printed last.
 #
-#   scripts/gpu-check.sh [layout] [kernel] [decode] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests]
-#   (default: all but ab and vtests).  `decode` is the step kernel's tests and memcheck.  `launch` is bench_launch: what starting a batch costs; `ipc`
+#   scripts/dev/gpu-check.sh [layout] [kernel] [decode] [sanitize] [bench] [launch] [ipc] [profile] [daemon] [e2e] [ab] [vtests] [multi]
+#   (default: all but ab, vtests and multi).  `decode` is the step kernel's tests and memcheck.  `multi` is one kdad per GPU: test_shard_cuda and
+#   scripts/dev/multi-gpu-check.sh (two GPUs on nvidia-h200-x2; on one GPU both daemons share it).  `launch` is bench_launch: what starting a batch costs; `ipc`
 #   is bench_ipc: the kernel on CUDA IPC memory against local memory, by allocation size and
-#   tensor placement.  `bench` and the full `e2e` did not fit one device call (600 s) together
-#   while kdactl bench drew all its inputs (~7 s per e2e row; a 4 MiB draw since the tenth
-#   session): not tried together since.  The daemon suites find kdad under the build directory
+#   tensor placement.  `bench` and the full `e2e` together take more than 600 s when kdactl
+#   bench draws all its inputs (~7 s per e2e row; it draws 4 MiB now).  The daemon suites find kdad under the build directory
 #   they were compiled for, so `daemon` recreates that path.  `ab` runs bench_kernel
-#   and every .device/bin/bench_kernel_* (scripts/kernel-variant.sh) twice,
+#   and every .device/bin/bench_kernel_* (scripts/dev/kernel-variant.sh) twice,
 #   interleaved, on the six standard workloads; `vtests` runs every variant's
 #   .device/bin/test_cuda_kernel_*.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/kdad-gpu}
 mkdir -p "$out" /tmp/debs
 for f in .device/debs/*.deb; do dpkg -x "$f" /tmp/debs; done
@@ -53,7 +53,13 @@ for step in $steps; do
                 timeout 300 $bin/$t >> "$out/daemon.log" 2>&1 || rc=1
               done
               (exit $rc) ;;
-    e2e)      OUT=$out timeout 560 bash scripts/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
+    e2e)      OUT=$out timeout 560 bash scripts/dev/e2e-bench.sh $bin > "$out/e2e.log" 2>&1 ;;
+    multi)    # one kdad per GPU: the sharded client on cuda, then one daemon against two
+              built=$(strings $bin/test_shard_cuda | grep -m1 -E '^/.*build[^/]*$')
+              mkdir -p "$built/daemon" "$built/client" && cp $bin/kdad "$built/daemon/" && cp $bin/kdactl "$built/client/"
+              KDAD_SOURCE_DIR=$PWD timeout 300 $bin/test_shard_cuda > "$out/multi.log" 2>&1; rc=$?
+              OUT=$out timeout 280 bash scripts/dev/multi-gpu-check.sh $bin >> "$out/multi.log" 2>&1
+              (exit $((rc | $?))) ;;
     vtests)   rc=0
               for t in $bin/test_cuda_kernel_*; do
                 [ -x "$t" ] || continue
@@ -92,11 +98,12 @@ for step in $steps; do
     e2e)      tail -5 "$out/e2e.log"; cut -c1-300 "$out/e2e.jsonl" | head -30 ;;
     ab)       grep -E '^== |^H(96|64) (fixed 8192|mixed|uniform 8x1024) ' "$out/ab.log" | cut -c1-62 ;;
     vtests)   grep -E '^== |^-- |FAILED|PASSED|clusters' "$out/vtests.log" | head -40 ;;
+    multi)    grep -E 'GPU\(s\)|PASSED|FAILED|ERROR|^aggregate' "$out/multi.log" | tail -12 ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done
 
-# The device tool brings back at most 8 files: the logs travel as one archive, beside the
+# Few files travel back: the logs go as one archive, beside the
 # results (h200-kernel.json, e2e.jsonl, e2e-summary.txt); one archive per $OUT, so give each
 # run of this script in one call its own (OUT=$OUT/name).
 logs=$(cd "$out" && ls -- *.log *.err gpu.txt 2>/dev/null)

@@ -67,7 +67,7 @@ __device__ double block_sum_128(double x, double *red)
 }
 
 /*
- * The token loop of KDA.md in float64, one block of 128 threads per
+ * The token loop of docs/kda.md in float64, one block of 128 threads per
  * (sequence, head).  The state lives in shared memory K-major (thread v owns
  * column v, so its 128 reads per pass are bank-conflict free).
  */

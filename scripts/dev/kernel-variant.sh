@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Builds the kernel benchmark and the kernel tests of another version of the
 # tree, for a same-call A/B on the GPU host (H200 hosts differ by up to 1.5x
-# between device calls, so only binaries run in one call compare):
+# between runs, so only binaries run in one go compare):
 #
-#   scripts/kernel-variant.sh NAME [REF [PATCH]]
+#   scripts/dev/kernel-variant.sh NAME [REF [PATCH]]
 #
 # checks out REF (default HEAD) in a temporary worktree, applies PATCH (a
 # `git diff` file) if given, builds bench_kernel and test_cuda_kernel with the
-# same configuration as scripts/gpu-bundle.sh and copies them to
+# same configuration as scripts/dev/gpu-bundle.sh and copies them to
 # .device/bin/bench_kernel_NAME and .device/bin/test_cuda_kernel_NAME.
-# `scripts/gpu-check.sh ab` then runs bench_kernel and every variant, twice,
-# interleaved; `scripts/gpu-check.sh vtests` runs every variant's kernel tests.
+# `scripts/dev/gpu-check.sh ab` then runs bench_kernel and every variant, twice,
+# interleaved; `scripts/dev/gpu-check.sh vtests` runs every variant's kernel tests.
 # Example: the working tree against the last commit:
-#   git diff > /tmp/wip.patch && scripts/kernel-variant.sh head HEAD
+#   git diff > /tmp/wip.patch && scripts/dev/kernel-variant.sh head HEAD
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 name=${1:?usage: kernel-variant.sh NAME [REF [PATCH]]}
 ref=${2:-HEAD}
 patch=${3:-}

@@ -4,7 +4,7 @@
 # non-inlined call; C7511: not enough registers for the wgmma pipeline), which
 # is an info line, not a warning, and costs 1.5x or more (bench/RESULTS.md).
 #
-#   scripts/ptxas-check.sh NVCC SOURCE_DIR CUDA_FLAGS...   (the build's KDAD_CUDA_FLAGS)
+#   scripts/dev/ptxas-check.sh NVCC SOURCE_DIR CUDA_FLAGS...   (the build's KDAD_CUDA_FLAGS)
 set -uo pipefail
 usage="usage: ptxas-check.sh NVCC SOURCE_DIR CUDA_FLAGS..."
 nvcc=${1:?$usage}

@@ -1,0 +1,176 @@
+"""kdaclient: the Python client of kdad, the Kimi Delta Attention prefill daemon.
+
+A thin layer over libkdaclient (compiled into the extension ``kdaclient._kdaclient``)::
+
+    import kdaclient
+    with kdaclient.connect() as c:
+        H = c.hello()["heads"]
+        c.register_layer("L0", A_log, dt_bias, lower_bound=-5.0)
+        slot, = c.alloc_slots(1)
+        res = c.prefill("L0", [{"slot": slot, "q": q, "k": k, "v": v, "g": g, "beta": beta}])
+        out, pos = res[0]["out"], res[0]["pos"]
+
+Tensors are bf16 (pass the bits as uint16 NumPy arrays, ml_dtypes.bfloat16 arrays, or any
+bf16/int16 tensor through DLPack), shapes ``[len, H, 128]`` (``beta``: ``[len, H]``).  Host
+arrays travel inline, or through shared memory when large; CUDA tensors (DLPack or
+``__cuda_array_interface__``) travel as CUDA regions, without a copy.  See docs/python.md.
+"""
+import mmap
+import os
+import fcntl
+
+from . import _kdaclient
+from ._kdaclient import (DEFAULT_SCALE, HEAD_DIM, LIBRARY_VERSION, PROTOCOL_VERSION,
+                         socket_default)
+from .aio import AsyncClient
+
+__version__ = LIBRARY_VERSION
+__all__ = ["connect", "Client", "AsyncClient", "Error", "to_bf16", "from_bf16", "socket_default",
+           "DEFAULT_SCALE", "HEAD_DIM", "PROTOCOL_VERSION", "__version__"]
+
+
+class Error(Exception):
+    """A kdad or libkdaclient failure.
+
+    ``code`` is the protocol's negative code (PROTOCOL.md, Errors; -100 and below are the
+    library's), ``name`` its symbolic name, ``retryable`` whether the same call, made again
+    unchanged later, may succeed, and ``message`` the daemon's (or library's) sentence, which
+    names the offending field.  Each code has its subclass: ``kdaclient.PositionMismatch``,
+    ``kdaclient.StaleSlot``, ...
+    """
+    name = "UNKNOWN_CODE"
+    code = None
+
+    def __init__(self, message, code=None, retryable=None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.retryable = bool(retryable) if retryable is not None else False
+
+    def __str__(self):
+        return "%s: %s" % (self.name, self.message)
+
+
+def _class_name(name):
+    return "".join(p.capitalize() for p in name.split("_"))
+
+
+_classes = {}
+for _name, _code, _retryable, _msg in _kdaclient.error_table():
+    _cls = type(_class_name(_name), (Error,), {
+        "__doc__": "%s (%d): %s.%s" % (_name, _code, _msg,
+                                       " Retryable." if _retryable else ""),
+        "name": _name, "code": _code, "__module__": __name__})
+    globals()[_cls.__name__] = _cls
+    __all__.append(_cls.__name__)
+    _classes[_code] = _cls
+del _name, _code, _retryable, _msg, _cls
+
+_BF16 = 0   # the extension's kp_elem for bf16 fields
+
+
+def _coerce(obj, field, elem):
+    """Turns an array-like without a usable buffer into one (called by the extension)."""
+    import numpy as np
+    a = np.asarray(obj)
+    if a.dtype.name == "bfloat16":           # ml_dtypes: the bits as uint16
+        a = a.view(np.uint16)
+    if elem == _BF16 and a.dtype.itemsize != 2 and a.dtype != np.uint8:
+        raise TypeError("%s: %s elements; kdad takes bf16 here (its bits as uint16, or "
+                        "ml_dtypes.bfloat16); kdaclient.to_bf16 converts" % (field, a.dtype))
+    if elem == _BF16 and a.dtype.kind == "f":
+        raise TypeError("%s: float16 is not bf16; kdaclient.to_bf16 converts" % field)
+    return np.ascontiguousarray(a)
+
+
+_kdaclient._set_hooks(Error, _classes, _coerce)
+
+
+def to_bf16(x):
+    """float array -> its bf16 bits as uint16 (round to nearest, ties to even)."""
+    import numpy as np
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    u = f.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        r[nan] = 0x7FC0
+    return r
+
+
+def from_bf16(u, dtype="float32"):
+    """bf16 bits (uint16) -> float32 (exact), or the dtype given."""
+    import numpy as np
+    a = np.ascontiguousarray(u).view(np.uint16)
+    return (a.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
+
+
+class Client(_kdaclient._Client):
+    """One connection to kdad.  Make it with :func:`connect`; use it as a context manager.
+
+    A client is used by one thread at a time (calls from other threads wait); blocking calls
+    release the GIL.  Slots belong to the connection unless the daemon persists them; regions
+    (shared arrays, staging buffers, CUDA registrations) die with it.
+    """
+
+    def register_layer(self, name, A_log, dt_bias, lower_bound, scale=None):
+        """Registers a layer's weights under ``name`` (daemon-wide).
+
+        ``A_log``: float32 ``[H]``; ``dt_bias``: float32 ``[H, 128]`` (any array-like,
+        converted); ``lower_bound`` in [-5, 0); ``scale`` defaults to 1/sqrt(128).
+        Returns True when created, False when an identical layer existed.
+        Raises LayerExists (same name, other content), QuotaExceeded, InvalidParams.
+        """
+        import numpy as np
+        a = np.ascontiguousarray(A_log, dtype=np.float32)
+        d = np.ascontiguousarray(dt_bias, dtype=np.float32)
+        return self._register_layer(name, a, d, float(lower_bound),
+                                    None if scale is None else float(scale))
+
+    def shared_array(self, shape, dtype="uint16"):
+        """A NumPy array in shared memory registered with the daemon (one region).
+
+        Arrays placed here (or views of them at 16-byte aligned offsets) travel as region
+        references: no copy at all for inputs, outputs written in place.  The memory stays
+        registered as long as the connection; each call takes one of the connection's
+        ``max_regions_per_client`` regions, so allocate a few large arenas and slice them.
+        """
+        import numpy as np
+        dt = np.dtype(dtype)
+        count = 1
+        for n in (shape if isinstance(shape, (tuple, list)) else (shape,)):
+            count *= int(n)
+        size = max(count * dt.itemsize, 1)
+        size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        fd = os.memfd_create("kdaclient-shared", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mm = mmap.mmap(fd, size)
+            arr = np.frombuffer(mm, dtype=dt, count=count).reshape(shape)
+            self._add_shared(fd, arr.__array_interface__["data"][0], size, mm)
+        finally:
+            os.close(fd)
+        return arr
+
+    def regions(self):
+        """What this client holds of its ``max_regions_per_client``: CUDA registrations
+        (``cuda``, and ``cuda_registered`` / ``cuda_released`` since it opened), staging
+        buffers, shared arrays."""
+        return self._region_counts()
+
+
+def connect(path=None, timeout=None, *, name=None, inline_max=None):
+    """Connects to kdad and runs the hello handshake; returns a :class:`Client`.
+
+    ``path``: the socket (default: ``$KDAD_SOCKET``, else ``$XDG_RUNTIME_DIR/kdad.sock`` if it
+    exists, else ``/run/kdad/kdad.sock``, as kdactl).  ``timeout``: seconds each blocking call
+    may take (None: wait forever; a call that times out closes the connection).
+    ``name``: the client's name in the daemon's logs.  ``inline_max``: host arrays of a request
+    above this many bytes (in, or out) go through a shared-memory staging buffer instead of
+    the socket (default 4 MiB; the daemon's ``max_inline_bytes`` caps it).
+    Raises NotRunning, Connect, UnsupportedVersion, PermissionDenied, Timeout.
+    """
+    return Client(path, timeout, name, inline_max)

@@ -1,0 +1,102 @@
+"""asyncio for kdaclient: many prefills in flight on one connection.
+
+``AsyncClient`` drives a :class:`kdaclient.Client` from the running loop: the connection's
+socket is watched with ``loop.add_reader`` (and ``add_writer`` while requests wait for room
+in it), and each completion resolves its future.  Setup calls (layers, slots, regions,
+stats) stay blocking and short; they are available on the wrapper as on the client.
+"""
+import asyncio
+import functools
+
+from . import _kdaclient
+
+
+class AsyncClient:
+    """An asyncio front of one connection::
+
+        async with kdaclient.AsyncClient(path=sock) as ac:
+            slots = ac.alloc_slots(32)
+            results = await asyncio.gather(*(ac.prefill("L0", [seq]) for seq in seqs))
+
+    ``client``: an open :class:`kdaclient.Client` to drive (it stays yours to close), or None
+    to connect with ``connect_kwargs`` (closed with this object).  Use it from the loop's
+    thread only.
+    """
+
+    def __init__(self, client=None, *, loop=None, **connect_kwargs):
+        from . import connect
+        self._own = client is None
+        self._c = connect(**connect_kwargs) if client is None else client
+        self._loop = loop or asyncio.get_running_loop()
+        self._fd = self._c.fileno()
+        self._writing = False
+        self._loop.add_reader(self._fd, self._io)
+
+    @property
+    def client(self):
+        """The underlying blocking :class:`kdaclient.Client`."""
+        return self._c
+
+    def __getattr__(self, name):
+        # hello, register_layer, alloc_slots, free_slots, read_slot, write_slot, stats ...
+        return getattr(self._c, name)
+
+    async def prefill(self, layer, seqs, *, sync=True):
+        """Like :meth:`Client.prefill`, without blocking the loop: queues the request and
+        awaits its answer.  Any number may be in flight at once (the daemon stops reading
+        past ``max_inflight_requests`` and resumes as answers go out).  The arrays must stay
+        unchanged until it completes.  Cancelling the await does not cancel the request."""
+        fut = self._loop.create_future()
+        self._c._submit_prefill(layer, seqs, functools.partial(_resolve, fut), sync=sync)
+        self._arm(self._c._events())
+        return await fut
+
+    def _arm(self, events):
+        want = bool(events & _kdaclient.WRITABLE)
+        if want and not self._writing:
+            self._loop.add_writer(self._fd, self._io)
+        elif not want and self._writing:
+            self._loop.remove_writer(self._fd)
+        self._writing = want
+
+    def _io(self):
+        if self._c.closed:
+            self._unwatch()
+            return
+        rc, events = self._c._progress()
+        if rc != 0:   # the connection failed: every request in flight got the error
+            self._unwatch()
+            return
+        self._arm(events)
+
+    def _unwatch(self):
+        if self._fd is None:
+            return
+        self._loop.remove_reader(self._fd)
+        if self._writing:
+            self._loop.remove_writer(self._fd)
+        self._writing = False
+        self._fd = None
+
+    def close(self):
+        """Stops watching the connection; closes it if this object opened it (requests still
+        in flight then fail with Canceled)."""
+        self._unwatch()
+        if self._own:
+            self._c.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+        return False
+
+
+def _resolve(fut, result, exc):
+    if fut.cancelled():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

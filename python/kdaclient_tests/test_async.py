@@ -1,0 +1,95 @@
+"""AsyncClient: many requests in flight on one connection, driven by loop.add_reader."""
+import asyncio
+import unittest
+
+import numpy as np
+
+import kdaclient
+from . import Daemon, rand_layer, rand_seq, slice_seq
+
+H = 4
+
+
+class AsyncTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.d = Daemon(heads=H).start()
+        cls.rng = np.random.default_rng(11)
+        cls.layer = rand_layer(cls.rng, H)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.d.stop()
+
+    def test_32_in_flight(self):
+        xs = [rand_seq(self.rng, int(n), H) for n in self.rng.integers(1, 200, 32)]
+
+        async def main():
+            async with kdaclient.AsyncClient(path=self.d.sock, timeout=120) as ac:
+                ac.register_layer("A", *self.layer, -5.0)
+                slots = ac.alloc_slots(32)
+                tasks = [asyncio.ensure_future(ac.prefill("A", [dict(x, slot=s, expect_pos=0)]))
+                         for x, s in zip(xs, slots)]
+                await asyncio.sleep(0)        # every task has submitted its request
+                inflight = ac.client.inflight
+                results = await asyncio.gather(*tasks)
+                return inflight, results, ac.client.inflight
+
+        inflight, results, after = asyncio.run(main())
+        self.assertEqual(inflight, 32)
+        self.assertEqual(after, 0)
+        with self.d.connect() as c:
+            c.register_layer("A", *self.layer, -5.0)
+            s, = c.alloc_slots(1)
+            for x, r in zip(xs, results):
+                self.assertEqual(r[0]["pos"], len(x["q"]))
+                ref = c.prefill("A", [dict(x, slot=s, fresh=True)])[0]["out"]
+                np.testing.assert_array_equal(r[0]["out"], ref)
+
+    def test_pipelined_chunks_and_errors(self):
+        """Chunks of one sequence pipelined with expect_pos; a failed chunk fails the rest."""
+        x = rand_seq(self.rng, 1000, H)
+
+        async def main():
+            async with kdaclient.AsyncClient(path=self.d.sock, timeout=120) as ac:
+                ac.register_layer("A", *self.layer, -5.0)
+                a, b = ac.alloc_slots(2)
+                cuts = [(0, 300), (300, 600), (600, 1000)]
+                good = await asyncio.gather(*(ac.prefill("A", [dict(slice_seq(x, p, q), slot=a,
+                                                                    expect_pos=p)])
+                                              for p, q in cuts))
+                whole = await ac.prefill("A", [dict(x, slot=b)])
+                bad = await asyncio.gather(
+                    ac.prefill("A", [dict(slice_seq(x, 0, 300), slot=b, expect_pos=5)]),
+                    ac.prefill("A", [dict(slice_seq(x, 300, 600), slot=b, expect_pos=300)]),
+                    ac.prefill("nope", [dict(slice_seq(x, 0, 10), slot=b)]),
+                    return_exceptions=True)
+                return good, whole, bad
+
+        good, whole, bad = asyncio.run(main())
+        self.assertEqual([g[0]["pos"] for g in good], [300, 600, 1000])
+        parts = np.concatenate([g[0]["out"] for g in good])
+        diff = kdaclient.from_bf16(parts) - kdaclient.from_bf16(whole[0]["out"])
+        self.assertLess(np.sqrt(np.mean(diff ** 2)), 0.005)
+        self.assertIsInstance(bad[0], kdaclient.PositionMismatch)
+        self.assertIsInstance(bad[1], kdaclient.PositionMismatch)
+        self.assertIsInstance(bad[2], kdaclient.UnknownLayer)
+
+    def test_close_cancels(self):
+        x = rand_seq(self.rng, 64, H)
+
+        async def main():
+            ac = kdaclient.AsyncClient(path=self.d.sock, timeout=120)
+            ac.register_layer("A", *self.layer, -5.0)
+            s, = ac.alloc_slots(1)
+            t = asyncio.ensure_future(ac.prefill("A", [dict(x, slot=s)]))
+            await asyncio.sleep(0)
+            ac.close()
+            return await asyncio.gather(t, return_exceptions=True)
+
+        r, = asyncio.run(main())
+        self.assertIsInstance(r, kdaclient.Canceled)
+
+
+if __name__ == "__main__":
+    unittest.main()

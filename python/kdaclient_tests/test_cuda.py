@@ -1,0 +1,224 @@
+"""PyTorch CUDA tensors in and out through CUDA regions (needs torch with a CUDA GPU and a kdad
+built with CUDA; skipped otherwise).
+
+    KDAD_BIN=/path/to/kdad python3 -m unittest -v kdaclient_tests.test_cuda
+
+Checks: no host copy of the tensor data (the daemon's transport counters: everything on
+cuda_ipc, nothing inline or through shared memory), results bit-equal to the host path,
+registrations cached per allocation and given back when the allocation goes, the region
+budget, slot read/write into device memory, expandable segments (VMM, posix_fd regions), and
+the H = 32, 8192-token prefill end to end against the kernel time.
+"""
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+import numpy as np
+
+import kdaclient
+from . import Daemon, rand_layer, rand_seq, rel_rms
+
+try:
+    import torch
+    HAVE_CUDA = torch.cuda.is_available()
+except ImportError:
+    torch = None
+    HAVE_CUDA = False
+
+H = 8
+SKIP = "needs PyTorch with a CUDA GPU (and KDAD_BIN: a kdad built with CUDA)"
+
+
+def to_cuda(seq, dtype=None):
+    """uint16 bf16 bits -> torch bf16 CUDA tensors (or their int16 view)."""
+    out = {}
+    for n, a in seq.items():
+        t = torch.from_numpy(a.view(np.int16)).cuda()
+        out[n] = t if dtype == "int16" else t.view(torch.bfloat16)
+    return out
+
+
+def host_bits(t):
+    """A CUDA bf16/int16 tensor -> its bits as a uint16 NumPy array."""
+    return t.view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+@unittest.skipUnless(HAVE_CUDA, SKIP)
+class CudaTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.d = Daemon(heads=H, backend="cuda",
+                       config="limits:\n  max_regions_per_client: 9\n").start()
+        cls.rng = np.random.default_rng(5)
+        cls.layer = rand_layer(cls.rng, H)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.d.stop()
+
+    def setUp(self):
+        self.c = self.d.connect()
+        self.c.register_layer("C", *self.layer, -5.0)
+
+    def tearDown(self):
+        self.c.close()
+
+    def test_tensors_in_and_out_without_host_copy(self):
+        T = 300
+        x = rand_seq(self.rng, T, H)
+        s1, s2 = self.c.alloc_slots(2)
+        dx = to_cuda(x)
+        out = torch.empty((T, H, 128), dtype=torch.bfloat16, device="cuda")
+        before = self.c.stats()["transport_bytes"]
+        res = self.c.prefill("C", [dict(dx, slot=s1, out=out)])
+        after = self.c.stats()["transport_bytes"]
+        self.assertIs(res[0]["out"], out)
+        self.assertEqual(res[0]["pos"], T)
+        for tr in ("inline", "shm"):
+            self.assertEqual(after[tr], before[tr], tr)
+        self.assertEqual(after["cuda_ipc"]["in"] - before["cuda_ipc"]["in"], T * H * (4 * 256 + 2))
+        self.assertEqual(after["cuda_ipc"]["out"] - before["cuda_ipc"]["out"], T * H * 256)
+        ref = self.c.prefill("C", [dict(x, slot=s2)])[0]["out"]        # the inline path
+        np.testing.assert_array_equal(host_bits(out), ref)
+        np.testing.assert_array_equal(self.c.read_slot(s1), self.c.read_slot(s2))
+
+    def test_int16_views_through_cuda_array_interface(self):
+        class OnlyCAI:      # as Numba or an older CuPy offers device memory
+            def __init__(self, t):
+                self.t = t
+
+            @property
+            def __cuda_array_interface__(self):
+                return self.t.__cuda_array_interface__
+
+        T = 64
+        x = rand_seq(self.rng, T, H)
+        s1, s2 = self.c.alloc_slots(2)
+        dx = {n: OnlyCAI(t) for n, t in to_cuda(x, "int16").items()}
+        out = torch.empty((T, H, 128), dtype=torch.int16, device="cuda")
+        self.c.prefill("C", [dict(dx, slot=s1, out=OnlyCAI(out))])
+        ref = self.c.prefill("C", [dict(x, slot=s2)])[0]["out"]
+        np.testing.assert_array_equal(host_bits(out), ref)
+
+    def test_registration_cached_per_allocation(self):
+        x = to_cuda(rand_seq(self.rng, 32, H))
+        s, = self.c.alloc_slots(1)
+        out = torch.empty((32, H, 128), dtype=torch.bfloat16, device="cuda")
+        self.c.prefill("C", [dict(x, slot=s, out=out)])
+        n = self.c.regions()["cuda_registered"]
+        for _ in range(5):
+            self.c.prefill("C", [dict(x, slot=s, out=out)])
+        self.assertEqual(self.c.regions()["cuda_registered"], n)
+        self.assertLessEqual(self.c.regions()["cuda"], n)
+
+    def test_released_when_the_allocation_goes(self):
+        s, = self.c.alloc_slots(1)
+        T = 512   # 1 MiB per tensor: a separate 2 MiB+ segment each time it is made anew
+        big = torch.empty((6 * 32 << 20,), dtype=torch.uint8, device="cuda")   # own segment
+        views = {n: big[i * (T * H * 256):(i + 1) * (T * H * 256)].view(torch.int16)
+                 .view(T, H, 128) for i, n in enumerate(("q", "k", "v", "g"))}
+        for t in views.values():
+            t.copy_(torch.randint(-2000, 2000, t.shape, dtype=torch.int16))
+        beta = big[4 * T * H * 256:4 * T * H * 256 + T * H * 2].view(torch.int16).view(T, H)
+        beta.zero_()
+        self.c.prefill("C", [dict(views, beta=beta, slot=s)])
+        released = self.c.regions()["cuda_released"]
+        del views, beta, big
+        torch.cuda.empty_cache()                        # the segment is freed
+        other = to_cuda(rand_seq(self.rng, 16, H))
+        self.c.prefill("C", [dict(other, slot=s)])      # a miss sweeps the dead registration
+        self.assertGreater(self.c.regions()["cuda_released"], released)
+
+    def test_region_budget(self):
+        """More allocations than max_regions_per_client allows: the least recently used
+        registrations are evicted, never one the request being built uses."""
+        s, = self.c.alloc_slots(1)
+        segs = []
+        n = 16 * H * 128 * 2
+        for _ in range(8):
+            seg = torch.empty((32 << 20,), dtype=torch.uint8, device="cuda")  # its own segment
+            segs.append(seg)                                 # all stay allocated
+            x = rand_seq(self.rng, 16, H)
+            dx = {}
+            for i, name in enumerate(("q", "k", "v", "g")):
+                dx[name] = seg[i * (1 << 20):i * (1 << 20) + n].view(torch.int16).view(16, H, 128)
+                dx[name].copy_(torch.from_numpy(x[name].view(np.int16)))
+            dx["beta"] = torch.from_numpy(x["beta"].view(np.int16)).cuda()
+            self.c.prefill("C", [dict(dx, slot=s)])
+            self.assertLessEqual(self.c.regions()["cuda"], 9 - 5)   # less the client's reserve
+        self.assertGreater(self.c.regions()["cuda_released"], 0)
+
+    def test_slot_read_write_in_device_memory(self):
+        s1, s2 = self.c.alloc_slots(2)
+        self.c.prefill("C", [dict(rand_seq(self.rng, 40, H), slot=s1)])
+        st = torch.empty((H, 128, 128), dtype=torch.float32, device="cuda")
+        self.c.read_slot(s1, dtype="f32", out=st)
+        np.testing.assert_array_equal(st.cpu().numpy(), self.c.read_slot(s1, dtype="f32"))
+        self.c.write_slot(s2, st, pos=40)
+        np.testing.assert_array_equal(self.c.read_slot(s2), self.c.read_slot(s1))
+
+    def test_expandable_segments(self):
+        """PyTorch's expandable segments are VMM mappings: they travel as posix_fd regions."""
+        code = (
+            "import numpy as np, torch, kdaclient\n"
+            "from kdaclient_tests import rand_layer, rand_seq\n"
+            "from kdaclient_tests.test_cuda import to_cuda, host_bits\n"
+            "rng = np.random.default_rng(1); H = %d\n"
+            "c = kdaclient.connect(%r, timeout=120)\n"
+            "c.register_layer('V', *rand_layer(rng, H), -5.0)\n"
+            "a, b = c.alloc_slots(2); x = rand_seq(rng, 16, H)\n"
+            "out = torch.empty((16, H, 128), dtype=torch.bfloat16, device='cuda')\n"
+            "c.prefill('V', [dict(to_cuda(x), slot=a, out=out)])\n"
+            "ref = c.prefill('V', [dict(x, slot=b)])[0]['out']\n"
+            "assert (host_bits(out) == ref).all(), 'differs from the host path'\n"
+            "assert c.stats()['transport_bytes']['cuda_ipc']['out'] > 0\n"
+            "print('VMM OK', c.regions())\n" % (H, self.d.sock))
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=300)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("VMM OK", p.stdout)
+
+
+@unittest.skipUnless(HAVE_CUDA, SKIP)
+class CudaH32Test(unittest.TestCase):
+    """The H = 32, 8192-token prefill from PyTorch over CUDA regions, end to end (the Python
+    call) against the kernel's time as the daemon reports it; equal to the staged host path."""
+
+    def test_h32_8192(self):
+        Hh, T, N = 32, 8192, 30
+        with _daemon(Hh) as d:
+            with d.connect() as c:
+                rng = np.random.default_rng(9)
+                c.register_layer("B", *rand_layer(rng, Hh), -5.0)
+                s, ref_slot = c.alloc_slots(2)
+                x = rand_seq(rng, T, Hh)
+                dx = to_cuda(x)
+                out = torch.empty((T, Hh, 128), dtype=torch.bfloat16, device="cuda")
+                e2e, kern, dev = [], [], []
+                for i in range(N):
+                    t0 = time.perf_counter()
+                    c.prefill("B", [dict(dx, slot=s, out=out, fresh=True)])
+                    e2e.append((time.perf_counter() - t0) * 1e6)
+                    kern.append(c.last_timings["kernel_us"])
+                    dev.append(c.last_timings["device_us"])
+                ref = c.prefill("B", [dict(x, slot=ref_slot, fresh=True)])[0]["out"]
+                np.testing.assert_array_equal(host_bits(out), ref)
+        p50 = lambda v: float(np.median(v[5:]))
+        print("\nH=32 T=8192 CUDA regions from PyTorch: end to end p50 %.1f us, device p50 %.1f "
+              "us, kernel p50 %.1f us (ratio e2e/kernel %.3f)"
+              % (p50(e2e), p50(dev), p50(kern), p50(e2e) / max(p50(kern), 1)), file=sys.stderr)
+        self.assertGreater(p50(kern), 0)
+
+
+def _daemon(heads):
+    from . import daemon
+    return daemon(heads=heads, backend="cuda")
+
+
+if __name__ == "__main__":
+    unittest.main()
