@@ -32,8 +32,8 @@ static const char step_help[] =
     "\n"
     "  -i, --input FILE      a golden-format file (q, k, v, g, beta, A_log, dt_bias,\n"
     "                        cu_seqlens, optional initial_state)\n"
-    "  -r, --random          synthetic inputs\n"
-    "  -n, --seqs N          sequences (random; default 4)\n"
+    "  -R, --random          synthetic inputs\n"
+    "  -N, --seqs N          sequences (random; default 4)\n"
     "  -T, --tokens T        tokens per sequence, 1..16 (random; default 1)\n"
     "  -S, --seed S          seed of the random inputs (default 1)\n"
     "  -k, --repeat K        run K steps in a row with the same inputs (default 1)\n";
@@ -48,12 +48,12 @@ static const char decode_help[] =
     "and device time per step (p50), and what the daemon and the client add around\n"
     "the kernel.\n"
     "\n"
-    "  -n, --seqs N          sequences per step (default 256)\n"
+    "  -N, --seqs N          sequences per step (default 256)\n"
     "  -T, --tokens T        tokens per sequence, 1..16 (default 1)\n"
     "  -k, --steps K         timed steps (default 1000)\n"
-    "  -w, --warmup W        untimed steps first (default 20)\n"
+    "  -W, --warmup W        untimed steps first (default 20)\n"
     "  -x, --transport MODE  inline (default), shm, cuda-ipc or cuda-vmm (as kdactl bench)\n"
-    "  -s, --seed X          seed of the inputs (default 1)\n"
+    "  -S, --seed X          seed of the inputs (default 1)\n"
     "  -P, --spin US         poll the socket without sleeping for up to US microseconds\n"
     "                        after each answer (default 0)\n";
 
@@ -190,8 +190,8 @@ out:
 int cmd_step(ctl *g, int argc, char **argv)
 {
     static const struct option opts[] = {
-        {"input", required_argument, NULL, 'i'}, {"random", no_argument, NULL, 'r'},
-        {"seqs", required_argument, NULL, 'n'},  {"tokens", required_argument, NULL, 'T'},
+        {"input", required_argument, NULL, 'i'}, {"random", no_argument, NULL, 'R'},
+        {"seqs", required_argument, NULL, 'N'},  {"tokens", required_argument, NULL, 'T'},
         {"seed", required_argument, NULL, 'S'},  {"repeat", required_argument, NULL, 'k'},
         {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0}};
     const char *input = NULL;
@@ -199,11 +199,11 @@ int cmd_step(ctl *g, int argc, char **argv)
     uint64_t nseqs = 4, tokens = 1, seed = 1, repeat = 1;
     int ch;
     optind = 1;
-    while ((ch = getopt_long(argc, argv, "+i:rn:T:S:k:h", opts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "+i:RN:T:S:k:h", opts, NULL)) != -1) {
         switch (ch) {
         case 'i': input = optarg; break;
-        case 'r': random = true; break;
-        case 'n':
+        case 'R': random = true; break;
+        case 'N':
             if (!parse_u64(optarg, 1, 1u << 20, &nseqs))
                 return ctl_usage("step", "--seqs: '%s' is not a count of sequences", optarg);
             break;
@@ -264,19 +264,19 @@ typedef struct decode_opts {
 static int parse_decode(int argc, char **argv, decode_opts *o)
 {
     static const struct option opts[] = {
-        {"decode", no_argument, NULL, 'E'},       {"seqs", required_argument, NULL, 'n'},
+        {"decode", no_argument, NULL, 'E'},       {"seqs", required_argument, NULL, 'N'},
         {"tokens", required_argument, NULL, 'T'}, {"steps", required_argument, NULL, 'k'},
-        {"warmup", required_argument, NULL, 'w'}, {"transport", required_argument, NULL, 'x'},
-        {"seed", required_argument, NULL, 's'},   {"spin", required_argument, NULL, 'P'},
+        {"warmup", required_argument, NULL, 'W'}, {"transport", required_argument, NULL, 'x'},
+        {"seed", required_argument, NULL, 'S'},   {"spin", required_argument, NULL, 'P'},
         {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0}};
     static const char *const transports[] = {"inline", "shm", "cuda-ipc", "cuda-vmm"};
     *o = (decode_opts){256, 1, 1000, 20, 1, 0, BENCH_INLINE};
     int ch;
     optind = 1;
-    while ((ch = getopt_long(argc, argv, "+En:T:k:w:x:s:P:h", opts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "+EN:T:k:W:x:S:P:h", opts, NULL)) != -1) {
         switch (ch) {
         case 'E': break;
-        case 'n':
+        case 'N':
             if (!parse_u64(optarg, 1, 1u << 20, &o->seqs))
                 return ctl_usage("bench", "--seqs: '%s' is not a count of sequences", optarg);
             break;
@@ -289,11 +289,11 @@ static int parse_decode(int argc, char **argv, decode_opts *o)
             if (!parse_u64(optarg, 1, 1u << 30, &o->steps))
                 return ctl_usage("bench", "--steps: '%s' is not a count", optarg);
             break;
-        case 'w':
+        case 'W':
             if (!parse_u64(optarg, 0, 1u << 30, &o->warmup))
                 return ctl_usage("bench", "--warmup: '%s' is not a count", optarg);
             break;
-        case 's':
+        case 'S':
             if (!parse_u64(optarg, 0, UINT64_MAX, &o->seed))
                 return ctl_usage("bench", "--seed: '%s' is not a number", optarg);
             break;
