@@ -4,8 +4,9 @@
  * and batches run asynchronously with their completion reported back on the
  * loop thread.
  *
- * A batch holds the prefill sequences of one fused launch plus slot
- * operations (zero, copy, read out, write in).  Everything in one batch
+ * A batch holds the prefill sequences of one fused launch, decode steps
+ * (each a launch of the step kernel) and slot operations (zero, copy, read
+ * out, write in).  Everything in one batch
  * names distinct slots (the scheduler guarantees it), so the backend may run
  * the operations and the launch in any order; it runs operations in list
  * order, which matters only for a ZERO that clears a slot a READ of the same
@@ -56,6 +57,21 @@ typedef struct kd_batch_seq {
     uint32_t flags;          /* KDA_SEQ_ZERO_STATE for fresh sequences and lazily zeroed slots */
 } kd_batch_seq;
 
+/*
+ * One decode step of a launch (a `step` request whose sequences all run in
+ * the recurrent form): packed tensors, the sequences back to back along the
+ * token axis (kda.h, kda_step).  Its slots are distinct from every other slot
+ * of the batch, so a backend may run it beside the batch's prefill launch.
+ */
+typedef struct kd_batch_step {
+    kd_buf in[5];               /* q, k, v, g (bf16 [tokens][H][128]), beta (bf16 [tokens][H]) */
+    kd_buf out;                 /* bf16 [tokens][H][128] */
+    kd_buf states;              /* pool dtype [tokens][H][128][128], or none (both NULL) */
+    const kda_layer *layer;     /* the backend's copy (kd_layer.dev) */
+    const kda_step_seq *seqs;   /* host memory [nseqs]: pool indices, starts, lengths, flags */
+    uint32_t nseqs, tokens;
+} kd_batch_step;
+
 typedef enum kd_op_kind {
     KD_OP_ZERO,  /* slot := 0 */
     KD_OP_COPY,  /* slot := src */
@@ -94,6 +110,8 @@ typedef struct kd_batch {
     kd_sem_word *dones; /* stored once every output and state of the batch is written, only
                            when the batch succeeds (the daemon writes failures) */
     uint32_t ndones;
+    kd_batch_step *steps; /* decode steps, each one launch of the step kernel */
+    uint32_t nsteps;
     /* Set by the backend before the completion callback. */
     kd_batch_status status;
     int code;          /* kp_code for FAILED (KP_E_NO_MEMORY, KP_E_INTERNAL, ...) */

@@ -1,6 +1,6 @@
 /*
  * backend_cpu.c - the cpu backend: the state pool in host memory and
- * kda_cpu_prefill (kernels/kda_cpu.h) run on a libuv worker thread, one
+ * kda_cpu_step / kda_cpu_prefill (kernels/kda_cpu.h) run on a libuv worker thread, one
  * batch at a time, so the loop never waits for it.  kda_cpu spreads each
  * batch over its own threads.
  *
@@ -59,6 +59,9 @@ static uint64_t input_bytes(int t, int64_t len, int32_t heads)
 /* Runs the launch (which checks everything before it writes) and, when it
  * succeeded, the slot operations: so a failing batch changes nothing. */
 static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu);
+/* Runs the batch's decode steps, before its prefill: their sequences are the
+ * short, latency-bound ones. */
+static void cpu_run_steps(kd_backend *b, kd_batch *batch, kda_cpu *cpu);
 
 /* Worker thread. */
 static void cpu_work(uv_work_t *w)
@@ -68,7 +71,9 @@ static void cpu_work(uv_work_t *w)
     kd_batch_timing *t = &batch->t;
     /* Nothing to stage: the worker starting is both. */
     t->staged_ns = t->launched_ns = uv_hrtime();
-    cpu_run(&cb->base, batch, cb->cpu);
+    cpu_run_steps(&cb->base, batch, cb->cpu);
+    if (batch->status == KD_BATCH_OK)
+        cpu_run(&cb->base, batch, cb->cpu);
     if (batch->status == KD_BATCH_OK) {
         for (uint32_t i = 0; i < batch->nops; i++)
             run_op(&cb->base, &batch->ops[i]);
@@ -121,16 +126,65 @@ static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu)
     kda_error kerr;
     uint64_t t0 = uv_hrtime();
     int krc = kda_cpu_prefill(cpu, &b->pool, seqs, batch->nseqs, &kerr);
-    batch->t.kernel_ns = uv_hrtime() - t0;
+    batch->t.kernel_ns += uv_hrtime() - t0;
     if (krc != KDA_OK) {
-        /* kda_cpu checks everything before it writes: the states are intact. */
-        batch->status = KD_BATCH_FAILED;
+        /* kda_cpu checks everything before it writes: the states are intact
+         * (the batch's steps, if any, did run: then it is lost). */
+        batch->status = batch->nsteps ? KD_BATCH_LOST : KD_BATCH_FAILED;
         batch->code = kerr.code == KDA_ENOMEM ? KP_E_NO_MEMORY : KP_E_INTERNAL;
         snprintf(batch->message, sizeof(batch->message), "cpu backend: %.200s", kerr.msg);
     }
 out:
     free(seqs);
     free(scratch);
+}
+
+static void cpu_run_steps(kd_backend *b, kd_batch *batch, kda_cpu *cpu)
+{
+    uint64_t kernel_ns = 0;
+    for (uint32_t s = 0; s < batch->nsteps && batch->status == KD_BATCH_OK; s++) {
+        const kd_batch_step *st = &batch->steps[s];
+        uint64_t bytes[5], scratch_bytes = 0;
+        for (int t = 0; t < 5; t++) {
+            bytes[t] = input_bytes(t, st->tokens, b->pool.heads);
+            if ((uintptr_t)st->in[t].host & 1)
+                scratch_bytes += bytes[t];
+        }
+        uint8_t *scratch = scratch_bytes ? malloc(scratch_bytes) : NULL;
+        if (scratch_bytes && !scratch) {
+            batch->status = KD_BATCH_FAILED;
+            batch->code = KP_E_NO_MEMORY;
+            snprintf(batch->message, sizeof(batch->message), "no memory to stage %llu bytes of "
+                     "unaligned inline tensors", (unsigned long long)scratch_bytes);
+            break;
+        }
+        const void *in[5];
+        uint64_t used = 0;
+        for (int t = 0; t < 5; t++) {
+            in[t] = st->in[t].host;
+            if ((uintptr_t)in[t] & 1) {
+                memcpy(scratch + used, in[t], bytes[t]);
+                in[t] = scratch + used;
+                used += bytes[t];
+            }
+        }
+        kda_step k = {.q = in[0], .k = in[1], .v = in[2], .g = in[3], .beta = in[4],
+                      .out = st->out.host, .states = st->states.host, .layer = st->layer,
+                      .seqs = st->seqs, .nseqs = (int32_t)st->nseqs, .tokens = (int32_t)st->tokens};
+        kda_error kerr;
+        uint64_t t0 = uv_hrtime();
+        int krc = kda_cpu_step(cpu, &b->pool, &k, &kerr);
+        kernel_ns += uv_hrtime() - t0;
+        free(scratch);
+        if (krc != KDA_OK) {
+            /* A failed step changed nothing; the steps before it did run, so
+             * the batch counts as lost (its sequences' slots are not trusted). */
+            batch->status = s == 0 ? KD_BATCH_FAILED : KD_BATCH_LOST;
+            batch->code = kerr.code == KDA_ENOMEM ? KP_E_NO_MEMORY : KP_E_INTERNAL;
+            snprintf(batch->message, sizeof(batch->message), "cpu backend: %.200s", kerr.msg);
+        }
+    }
+    batch->t.kernel_ns = kernel_ns;
 }
 
 /* Loop thread. */

@@ -62,6 +62,20 @@
  * region's device alias instead.  Both paths give the same bytes.  CUDA IPC
  * regions are device memory the kernel uses directly.
  *
+ * Decode steps (kd_batch_step) run the step kernel (kda_cuda_step), one
+ * launch per step, on a fourth stream, `steps`: it forks from `stream` after
+ * the copies in and slot operations and joins it again before the copies
+ * out, so in a batch that holds both, the steps run beside the prefill
+ * graph instead of behind its chains (their slots differ from the graph's:
+ * a batch names each slot once, and a slot's next request forms only after
+ * its batch is done).  Their descriptors go in one copy of the step table
+ * [kda_step x nsteps | kda_step_seq x sequences]; inline inputs and outputs
+ * are staged as a prefill's, region tensors used in place (shared memory
+ * through its device alias).  The step kernel reads its descriptors from
+ * device memory when it runs, so it is graph-safe; it is launched directly
+ * (a step is one or two driver calls).  A batch of steps alone with nothing
+ * to copy out is watched through its done word, written after its end event.
+ *
  * Any CUDA error during a batch is treated as fatal (KD_BATCH_FATAL): the
  * context cannot be trusted afterwards, and kdad exits so that systemd
  * restarts it with a fresh one.
@@ -140,6 +154,10 @@ typedef struct cuda_buf {
     cudaEvent_t in_ev, kernel_ev;                 /* cross-stream order */
     cudaEvent_t begin_ev, k0_ev, k1_ev, end_ev;   /* timing */
     cudaEvent_t first_ev, last_ev;                /* this batch's bracket; last_ev completes it */
+    uint8_t *steps_host, *steps_dev; /* the step table: pinned, and its device copy */
+    uint32_t steps_cap;     /* steps, and step sequences, it holds */
+    uint64_t steps_bytes;   /* of this batch's table */
+    cudaEvent_t fork_ev, join_ev;                 /* the steps stream's order against `stream` */
     uint32_t *done_host;    /* the graphs write 1 here last (pinned, mapped); NULL: they do not */
     CUdeviceptr done_dev;   /* its device alias */
     bool watch_done;        /* this batch is the graph alone: done_host tells its end */
@@ -184,6 +202,7 @@ typedef struct cuda_backend {
     cudaStream_t stream;     /* slot operations and kernels, every batch in order */
     cudaStream_t h2d, d2h;   /* copies in and out, in order, overlapping other batches */
     cudaStream_t aux;        /* layer uploads, off the batch streams */
+    cudaStream_t steps;      /* step kernels, beside the prefill graph of their batch */
     uint32_t *buckets;
     uint32_t nbuckets;
     uint64_t stage_bytes;    /* each staging buffer, each way */
@@ -297,7 +316,7 @@ static void add_out(cuda_buf *bf, void *host, uint64_t off, uint64_t bytes, uint
 /* Makes room for a batch's bookkeeping arrays (worker thread). */
 static bool reserve(cuda_buf *bf, const kd_batch *b)
 {
-    uint32_t outs = b->nseqs + b->nops;
+    uint32_t outs = b->nseqs + b->nops + b->nsteps;
     if (outs > bf->outs_cap) {
         stage_out *o = realloc(bf->outs, outs * sizeof(*o));
         if (!o)
@@ -327,6 +346,75 @@ static void stage_fail(kd_batch *b, int code, const char *what)
 static bool is_shm(kd_buf b)
 {
     return b.host && b.dev;
+}
+
+/* The step table and the steps' inline tensors (pass 1); false when the batch failed. */
+static bool stage_steps(cuda_backend *cb, cuda_buf *bf, kd_batch *b)
+{
+    const int32_t heads = cb->base.pool.heads;
+    uint32_t nseqs = 0;
+    for (uint32_t s = 0; s < b->nsteps; s++)
+        nseqs += b->steps[s].nseqs;
+    bf->steps_bytes = 0;
+    if (b->nsteps == 0)
+        return true;
+    if (b->nsteps > bf->steps_cap || nseqs > bf->steps_cap) {
+        stage_fail(b, KP_E_INTERNAL, "a batch overflows the step table");
+        return false;
+    }
+    kda_step *steps = (kda_step *)bf->steps_host;
+    kda_step_seq *seqs = (kda_step_seq *)(bf->steps_host + b->nsteps * sizeof(kda_step));
+    const kda_step_seq *seqs_dev =
+        (const kda_step_seq *)(bf->steps_dev + b->nsteps * sizeof(kda_step));
+    uint32_t used = 0;
+    for (uint32_t s = 0; s < b->nsteps; s++) {
+        const kd_batch_step *st = &b->steps[s];
+        const void *in[5];
+        for (int t = 0; t < 5; t++) {
+            if (st->in[t].dev) {
+                in[t] = st->in[t].dev; /* CUDA IPC, or shared memory through its alias */
+                continue;
+            }
+            uint64_t n = (uint64_t)st->tokens * heads * (t == 4 ? 2 : 2 * KDA_HEAD_DIM), off;
+            if (!take(cb, &bf->in_used, n, &off)) {
+                stage_fail(b, KP_E_INTERNAL, "a batch overflows the staging buffers");
+                return false;
+            }
+            memcpy(bf->in_host + off, st->in[t].host, n);
+            in[t] = bf->in_dev + off;
+        }
+        void *out = st->out.dev;
+        if (!out) {
+            uint64_t n = (uint64_t)st->tokens * heads * 2 * KDA_HEAD_DIM, off;
+            if (!take(cb, &bf->out_used, n, &off)) {
+                stage_fail(b, KP_E_INTERNAL, "a batch overflows the staging buffers");
+                return false;
+            }
+            add_out(bf, st->out.host, off, n, 0, KDA_DTYPE_BF16);
+            out = bf->out_dev + off;
+        }
+        memcpy(seqs + used, st->seqs, st->nseqs * sizeof(*seqs));
+        steps[s] = (kda_step){.q = in[0], .k = in[1], .v = in[2], .g = in[3], .beta = in[4],
+                              .out = out, .states = st->states.dev, .layer = st->layer,
+                              .seqs = seqs + used, .nseqs = (int32_t)st->nseqs,
+                              .tokens = (int32_t)st->tokens};
+        /* As for the prefill table: a step the kernel would refuse is a daemon bug. */
+        kda_error kerr;
+        if (st->states.host && !st->states.dev) {
+            stage_fail(b, KP_E_INTERNAL, "states: not in memory the device can write");
+            return false;
+        }
+        if (kda_cuda_step_check(&cb->base.pool, &steps[s], &kerr)) {
+            char what[220];
+            snprintf(what, sizeof(what), "%.200s", kerr.msg);
+            stage_fail(b, KP_E_INTERNAL, what);
+            return false;
+        }
+        steps[s].seqs = seqs_dev + used;
+        used += st->nseqs;
+    }
+    bf->steps_bytes = b->nsteps * sizeof(kda_step) + (uint64_t)used * sizeof(kda_step_seq);
+    return true;
 }
 
 static void stage_work(uv_work_t *w)
@@ -398,6 +486,8 @@ static void stage_work(uv_work_t *w)
                                      .beta = in[4], .out = out, .layer = q->layer,
                                      .len = q->len, .slot = q->slot, .flags = q->flags};
     }
+    if (!stage_steps(cb, bf, b))
+        return;
     bf->in_pinned = bf->in_used;
     bf->out_pinned = bf->out_used;
 
@@ -514,6 +604,39 @@ static void wait_for(cuda_backend *cb, cuda_buf *bf)
         uv_idle_start(&cb->spin, on_spin);
 }
 
+/* The steps of a batch on the steps stream, after everything before them on
+ * `stream` (copies in, slot operations); the kernel's timing brackets them
+ * when the batch has no prefill graph (which records its own). */
+static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, const char **what)
+{
+    const kd_batch *b = bf->batch;
+    const bool timed = b->nseqs == 0;
+    *what = "launching the steps";
+    cudaError_t e = cudaEventRecord(bf->fork_ev, cb->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamWaitEvent(cb->steps, bf->fork_ev, 0);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(bf->steps_dev, bf->steps_host, bf->steps_bytes,
+                            cudaMemcpyHostToDevice, cb->steps);
+    if (e == cudaSuccess && timed)
+        e = cudaEventRecord(bf->k0_ev, cb->steps);
+    const kda_step *steps = (const kda_step *)bf->steps_dev;
+    for (uint32_t s = 0; e == cudaSuccess && s < b->nsteps; s++) {
+        kda_error kerr;
+        if (kda_cuda_step(cb->k, &cb->base.pool, steps + s, (int32_t)b->steps[s].nseqs, cb->steps,
+                          &kerr) != KDA_OK) {
+            e = cudaGetLastError();
+            if (e == cudaSuccess)
+                e = cudaErrorLaunchFailure;
+        }
+    }
+    if (e == cudaSuccess && timed)
+        e = cudaEventRecord(bf->k1_ev, cb->steps);
+    if (e == cudaSuccess)
+        e = cudaEventRecord(bf->join_ev, cb->steps);
+    return e;
+}
+
 /* Queues a staged batch on the streams; a failure here means the context is
  * unusable (what names the step). */
 static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
@@ -522,10 +645,12 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
     cudaError_t e = cudaSuccess;
     bool copy_in = bf->in_pinned || bf->shm_in.n;
     bool copy_out = bf->out_pinned || bf->shm_out.n;
-    bool graph_only = !copy_in && !copy_out && b->nops == 0 && b->nseqs > 0;
+    bool graph_only = !copy_in && !copy_out && b->nops == 0 && b->nseqs > 0 && b->nsteps == 0;
+    /* steps alone, nothing to copy out: the done word follows the end event */
+    bool steps_only = b->nsteps > 0 && b->nseqs == 0 && !copy_out;
     bf->first_ev = graph_only ? bf->k0_ev : bf->begin_ev;
     bf->last_ev = graph_only ? bf->k1_ev : bf->end_ev;
-    bf->watch_done = graph_only && bf->done_host != NULL;
+    bf->watch_done = (graph_only || steps_only) && bf->done_host != NULL;
     if (bf->watch_done)
         __atomic_store_n(bf->done_host, 0, __ATOMIC_RELAXED); /* the launch call orders it */
     *what = "copying inputs to the device";
@@ -549,9 +674,15 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         *what = "a slot operation";
         e = enqueue_op(cb, bf, i);
     }
+    if (e == cudaSuccess && b->nsteps > 0)
+        e = enqueue_steps(cb, bf, what);
     if (e == cudaSuccess && b->nseqs > 0) {
         *what = "replaying the prefill graph"; /* it records k0_ev and k1_ev itself */
         e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
+    }
+    if (e == cudaSuccess && b->nsteps > 0) {
+        *what = "joining the steps";
+        e = cudaStreamWaitEvent(cb->stream, bf->join_ev, 0);
     }
     if (e == cudaSuccess && copy_out) {
         *what = "copying outputs from the device";
@@ -581,6 +712,11 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
     if (e == cudaSuccess && !graph_only) {
         *what = "recording the completion event";
         e = cudaEventRecord(bf->end_ev, copy_out ? cb->d2h : cb->stream);
+    }
+    if (e == cudaSuccess && steps_only && bf->watch_done) {
+        *what = "writing the done word";
+        if (cb->write_value((CUstream)cb->stream, bf->done_dev, 1, 0) != CUDA_SUCCESS)
+            e = cudaErrorUnknown;
     }
     if (e == cudaSuccess) {
         b->t.launched_ns = uv_hrtime();
@@ -626,6 +762,14 @@ static bool needs_staging(const cuda_backend *cb, const kd_batch *b)
                 return true;
         }
         if (!b->seqs[i].out.dev)
+            return true;
+    }
+    for (uint32_t s = 0; s < b->nsteps; s++) {
+        for (int t = 0; t < 5; t++) {
+            if (!b->steps[s].in[t].dev)
+                return true;
+        }
+        if (!b->steps[s].out.dev)
             return true;
     }
     return false;
@@ -791,7 +935,7 @@ static void on_wake(uv_async_t *a)
         b->t.signaled_ns = bf->signaled_ns;
         b->t.done_ns = now;
         b->t.device_ns = elapsed_ns(bf->first_ev, bf->last_ev);
-        b->t.kernel_ns = b->nseqs ? elapsed_ns(bf->k0_ev, bf->k1_ev) : 0;
+        b->t.kernel_ns = b->nseqs || b->nsteps ? elapsed_ns(bf->k0_ev, bf->k1_ev) : 0;
         if (bf->nouts == 0) {
             b->t.unstaged_ns = now;
             finish(bf);
@@ -1118,13 +1262,15 @@ static void free_buf(cuda_buf *bf, uint32_t nbuckets)
         }
     }
     free(bf->graphs);
-    cudaEvent_t *evs[6] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
-                           &bf->end_ev};
-    for (int i = 0; i < 6; i++) {
+    cudaEvent_t *evs[8] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
+                           &bf->end_ev, &bf->fork_ev, &bf->join_ev};
+    for (int i = 0; i < 8; i++) {
         if (*evs[i])
             cudaEventDestroy(*evs[i]);
     }
     cudaFreeHost(bf->table_host);
+    cudaFreeHost(bf->steps_host);
+    cudaFree(bf->steps_dev);
     cudaFreeHost(bf->in_host);
     cudaFreeHost(bf->out_host);
     cudaFree(bf->table_dev);
@@ -1152,8 +1298,8 @@ static void free_all(cuda_backend *cb)
 {
     stop_waiter(cb);
     /* Healthy streams are drained first; faulted ones return at once. */
-    cudaStream_t *streams[4] = {&cb->h2d, &cb->stream, &cb->d2h, &cb->aux};
-    for (int i = 0; i < 4; i++) {
+    cudaStream_t *streams[5] = {&cb->h2d, &cb->stream, &cb->steps, &cb->d2h, &cb->aux};
+    for (int i = 0; i < 5; i++) {
         if (*streams[i])
             cudaStreamSynchronize(*streams[i]);
     }
@@ -1161,7 +1307,7 @@ static void free_all(cuda_backend *cb)
         free_buf(&cb->buf[i], cb->nbuckets);
     cudaFreeHost(cb->done_words);
     cudaFree(cb->base.pool.state);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         if (*streams[i])
             cudaStreamDestroy(*streams[i]);
     }
@@ -1245,7 +1391,14 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
                                           : cudaEventDefault;
     bf->owner = cb;
     size_t table = table_bytes(max_seqs);
+    /* a step has at least one sequence: max_seqs of each at most */
+    size_t steps_table = (size_t)max_seqs * (sizeof(kda_step) + sizeof(kda_step_seq));
+    bf->steps_cap = max_seqs;
     if ((e = cudaMallocHost((void **)&bf->table_host, table)) ||
+        (e = cudaMallocHost((void **)&bf->steps_host, steps_table)) ||
+        (e = cudaMalloc((void **)&bf->steps_dev, steps_table)) ||
+        (e = cudaEventCreateWithFlags(&bf->fork_ev, cudaEventDisableTiming)) ||
+        (e = cudaEventCreateWithFlags(&bf->join_ev, cudaEventDisableTiming)) ||
         (e = cudaMallocHost((void **)&bf->in_host, cb->stage_bytes)) ||
         (e = cudaMallocHost((void **)&bf->out_host, cb->stage_bytes)) ||
         (e = cudaMalloc((void **)&bf->table_dev, table)) ||
@@ -1432,7 +1585,8 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) ||
         (e = cudaStreamCreateWithFlags(&cb->h2d, cudaStreamNonBlocking)) ||
         (e = cudaStreamCreateWithFlags(&cb->d2h, cudaStreamNonBlocking)) ||
-        (e = cudaStreamCreateWithFlags(&cb->aux, cudaStreamNonBlocking))) {
+        (e = cudaStreamCreateWithFlags(&cb->aux, cudaStreamNonBlocking)) ||
+        (e = cudaStreamCreateWithFlags(&cb->steps, cudaStreamNonBlocking))) {
         rc = cuda_err(err, errlen, e, "creating streams");
         goto fail;
     }

@@ -75,10 +75,11 @@ static void do_hello(kd_req *r)
     res.geometry = c->session.geometry;
     res.transports = transports(d);
     res.slots_persist = d->cfg.slots_persist;
-    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS,
+    /* the semaphores last: offered when the backend writes done words */
+    static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS, KP_FEATURE_STEP,
                                            KP_FEATURE_PREFILL_SEMAPHORES};
     res.features = features;
-    res.nfeatures = bi->sems ? 2 : 1; /* semaphores: when the backend writes done words */
+    res.nfeatures = bi->sems ? 3 : 2;
     res.limits = c->session.limits;
     kd_out *o = kd_req_frame(r);
     if (o)
@@ -475,6 +476,7 @@ static void route(kd_req *r)
     case KP_METHOD_REGION_RELEASE: do_region_release(r); break;
     case KP_METHOD_RING_ATTACH: do_ring_attach(r); break;
     case KP_METHOD_PREFILL:
+    case KP_METHOD_STEP:
     case KP_METHOD_SLOT_FREE:
     case KP_METHOD_SLOT_RESET:
     case KP_METHOD_SLOT_FORK:

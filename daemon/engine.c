@@ -28,12 +28,14 @@ static void free_run(kd_run *run)
     free(run->batch.seqs);
     free(run->batch.ops);
     free(run->batch.dones);
+    free(run->batch.steps);
     free(run->reqs);
     free(run);
 }
 
 /* A run sized for the jobs just formed: every sequence of every job, at
- * most two operations per job (a lazy ZERO before a READ), a done word per job. */
+ * most two operations per job (a lazy ZERO before a READ), a done word per job, and at most
+ * one decode step per job. */
 static kd_run *new_run(kd_job **jobs, size_t n)
 {
     size_t seqs = 0;
@@ -45,8 +47,10 @@ static kd_run *new_run(kd_job **jobs, size_t n)
     run->batch.seqs = calloc(seqs ? seqs : 1, sizeof(*run->batch.seqs));
     run->batch.ops = calloc(2 * n, sizeof(*run->batch.ops));
     run->batch.dones = calloc(n, sizeof(*run->batch.dones));
+    run->batch.steps = calloc(n, sizeof(*run->batch.steps));
     run->reqs = calloc(n, sizeof(*run->reqs));
-    if (!run->batch.seqs || !run->batch.ops || !run->batch.dones || !run->reqs) {
+    if (!run->batch.seqs || !run->batch.ops || !run->batch.dones || !run->batch.steps ||
+        !run->reqs) {
         free_run(run);
         return NULL;
     }
@@ -122,8 +126,8 @@ static bool form_and_submit(kd_engine *en)
     run->next = en->runs;
     en->runs = run;
     d->stats.batches++;
-    KD_DEBUG("batch: %u requests, %u sequences, %u operations", run->nreqs, run->batch.nseqs,
-             run->batch.nops);
+    KD_DEBUG("batch: %u requests, %u sequences, %u steps, %u operations", run->nreqs,
+             run->batch.nseqs, run->batch.nsteps, run->batch.nops);
     return true;
 }
 

@@ -52,6 +52,15 @@ struct kd_exec {
             uint64_t pos;
             kd_buf in;
         } write;
+        struct {
+            kp_step_params p;
+            kd_buf buf[KP_STEP_TENSORS]; /* q k v g beta out states */
+            kda_step_seq *seqs; /* pool indices, starts, lengths (flags when it forms) */
+            uint64_t *pos;      /* positions after the step, u64 little-endian (the result) */
+            void *out;          /* the inline output, allocated when the batch forms */
+            bool chunked;       /* runs as prefill sequences (a length over
+                                   KDA_STEP_CHOICE_TOKENS and no states asked) */
+        } step;
     };
 };
 
@@ -375,6 +384,61 @@ static int admit_write(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error 
     return KP_OK;
 }
 
+/*
+ * A step costs O(1) per request plus a few loads and stores per sequence:
+ * its lists are bins read in place, its tensors are five references for the
+ * whole step, and each handle is resolved once.
+ */
+static int admit_step(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *e)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    kp_step_params *p = &x->step.p;
+    int rc;
+    if ((rc = kp_step_params_decode(&r->msg, &r->client->session, p, e)) ||
+        (rc = kd_layers_acquire(&d->layers, p->layer, r->client->peer.uid, &x->layer, e)))
+        return rc;
+    x->step.seqs = malloc((size_t)p->nseqs * sizeof(*x->step.seqs));
+    x->step.pos = malloc((size_t)p->nseqs * sizeof(*x->step.pos));
+    if (!alloc_slots(x, p->nseqs) || !x->step.seqs || !x->step.pos)
+        return kp_fail(e, KP_E_NO_MEMORY, "no memory for a step of %u sequences", p->nseqs);
+    const uint32_t heads = r->client->session.geometry.heads;
+    *cost = (kd_job_cost){p->tokens, p->nseqs, 0, 0};
+    int32_t start = 0;
+    bool longer = false;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        if ((rc = resolve(r, kp_step_u64(p->slots, i), ((field_at){"slots", i, NULL}),
+                          &x->slots[i], e)))
+            return rc;
+        x->step.seqs[i] = (kda_step_seq){.slot = x->slots[i], .start = start,
+                                          .len = p->lens[i], .flags = 0};
+        start += p->lens[i];
+        longer |= p->lens[i] > KDA_STEP_CHOICE_TOKENS;
+    }
+    for (int t = 0; t < KP_STEP_TENSORS; t++) {
+        const kp_ref *ref = &p->tensors[t];
+        const bool out = t >= KP_STEP_OUT;
+        if (ref->kind == KP_REF_ABSENT) {
+            if (t == KP_STEP_OUT) { /* inline output: a buffer when the batch forms */
+                uint64_t n = kp_token_tensor_bytes(p->tokens, heads);
+                x->bytes_out[KP_TRANSPORT_ID_INLINE] += n;
+                cost->stage_out += stage_cost(r, n);
+            }
+            continue;
+        }
+        if ((rc = use_ref(r, ref, FIELD(kp_step_tensor_name(t)), out, &x->step.buf[t], e)))
+            return rc;
+        /* The cuda backend stages inline inputs; region memory the kernel reads in place. */
+        if (ref->kind == KP_REF_INLINE)
+            cost->stage_in += stage_cost(r, ref->nbytes);
+    }
+    /* Past KDA_STEP_CHOICE_TOKENS tokens the chunked kernel is the faster one
+     * (kda.h); only the step kernel keeps the states after every token. */
+    x->step.chunked = longer && p->states.kind == KP_REF_ABSENT;
+    *nslots = p->nseqs;
+    return KP_OK;
+}
+
 int kd_exec_admit(kd_req *r, kp_error *e)
 {
     kd_daemon *d = daemon_of(r);
@@ -388,6 +452,7 @@ int kd_exec_admit(kd_req *r, kp_error *e)
     r->answering = exec_answering;
     switch (r->method) {
     case KP_METHOD_PREFILL: rc = admit_prefill(r, &cost, &nslots, e); break;
+    case KP_METHOD_STEP: rc = admit_step(r, &cost, &nslots, e); break;
     case KP_METHOD_SLOT_FREE:
     case KP_METHOD_SLOT_RESET: rc = admit_slot_list(r, &nslots, e); break;
     case KP_METHOD_SLOT_FORK: rc = admit_fork(r, &nslots, e); break;
@@ -603,6 +668,137 @@ static void finish_prefill(kd_req *r, const kd_batch *b)
 }
 
 /* ---------------------------------------------------------------------- */
+/* Step                                                                   */
+/* ---------------------------------------------------------------------- */
+
+static kd_buf buf_at(kd_buf b, uint64_t off)
+{
+    return (kd_buf){b.host ? (uint8_t *)b.host + off : NULL, b.dev ? (uint8_t *)b.dev + off : NULL};
+}
+
+/* A step run by the chunked kernel: one prefill sequence per step sequence,
+ * pointing into the packed tensors. */
+static void add_chunked(kd_exec *x, kd_batch *b, uint32_t heads)
+{
+    const kp_step_params *p = &x->step.p;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kda_step_seq *q = &x->step.seqs[i];
+        const uint64_t tok = kp_token_tensor_bytes(1, heads), beta = kp_beta_bytes(1, heads);
+        kd_batch_seq *bs = &b->seqs[b->nseqs++];
+        for (int t = 0; t < 5; t++)
+            bs->in[t] = buf_at(x->step.buf[t], (uint64_t)q->start * (t == KP_STEP_BETA ? beta : tok));
+        bs->out = buf_at(x->step.buf[KP_STEP_OUT], (uint64_t)q->start * tok);
+        bs->layer = x->layer->dev;
+        bs->len = q->len;
+        bs->slot = q->slot;
+        bs->flags = q->flags;
+    }
+}
+
+static kd_prepare prepare_step(kd_req *r, kd_batch *b)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    const kp_step_params *p = &x->step.p;
+    const uint32_t heads = r->client->session.geometry.heads;
+    kp_error e;
+    /* Every sequence is checked before anything happens: all or nothing. */
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const uint32_t slot = x->slots[i];
+        const kd_slot *s = kd_pool_slot(&d->pool, slot);
+        char field[KP_FIELD_NAME_MAX];
+        if (kd_pool_check_ready(&d->pool, slot, NULL, NULL) != KP_OK) {
+            kd_pool_check_ready(&d->pool, slot, kp_field_name(field, sizeof(field), "slots", i,
+                                                             NULL), &e);
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
+        if (p->expect_pos && s->pos != kp_step_u64(p->expect_pos, i)) {
+            kp_fail(&e, KP_E_POSITION_MISMATCH, "slots[%u]: slot 0x%llx is at position %llu, "
+                    "expect_pos %llu", i, (unsigned long long)kp_step_u64(p->slots, i),
+                    (unsigned long long)s->pos, (unsigned long long)kp_step_u64(p->expect_pos, i));
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
+        if (kd_pool_next_pos(&d->pool, slot, false, p->lens[i], NULL, &x->step.pos[i], NULL) !=
+            KP_OK) {
+            kd_pool_next_pos(&d->pool, slot, false, p->lens[i],
+                             kp_field_name(field, sizeof(field), "slots", i, NULL),
+                             &x->step.pos[i], &e);
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
+        x->step.seqs[i].flags = s->zero ? KDA_SEQ_ZERO_STATE : 0;
+    }
+    if (p->out.kind == KP_REF_ABSENT) {
+        uint64_t bytes = kp_token_tensor_bytes(p->tokens, heads);
+        if (!(x->step.out = alloc_out(bytes))) {
+            kp_fail(&e, KP_E_NO_MEMORY, "no memory for %llu bytes of output",
+                    (unsigned long long)bytes);
+            fail(r, &e);
+            return KD_PREPARE_FAILED;
+        }
+        x->step.buf[KP_STEP_OUT] = (kd_buf){x->step.out, NULL};
+    }
+    if (x->step.chunked) {
+        add_chunked(x, b, heads);
+        return KD_PREPARE_BATCHED;
+    }
+    kd_batch_step *st = &b->steps[b->nsteps++];
+    memset(st, 0, sizeof(*st));
+    for (int t = 0; t < 5; t++)
+        st->in[t] = x->step.buf[t];
+    st->out = x->step.buf[KP_STEP_OUT];
+    st->states = x->step.buf[KP_STEP_STATES];
+    st->layer = x->layer->dev;
+    st->seqs = x->step.seqs;
+    st->nseqs = p->nseqs;
+    st->tokens = p->tokens;
+    return KD_PREPARE_BATCHED;
+}
+
+static void finish_step(kd_req *r, const kd_batch *b)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    const kp_step_params *p = &x->step.p;
+    kp_error e;
+    for (uint32_t i = 0; i < p->nseqs; i++)
+        kd_pool_set_ready(&d->pool, x->slots[i], x->step.pos[i], false);
+    d->stats.seqs += p->nseqs;
+    d->stats.tokens += p->tokens;
+    add_stats(r);
+    job_done(r);
+    kd_out *o = kd_req_frame(r);
+    if (!o)
+        return;
+    kp_step_result res = {.nseqs = p->nseqs, .pos = x->step.pos};
+    if (x->step.out)
+        res.out = kp_ref_inline(x->step.out,
+                                kp_token_tensor_bytes(p->tokens, r->client->session.geometry.heads));
+    const kd_batch_timing *t = &b->t;
+    res.queue_us = t->staged_ns > r->arrival_ns ? (t->staged_ns - r->arrival_ns) / 1000 : 0;
+    res.run_us = t->done_ns > t->staged_ns ? (t->done_ns - t->staged_ns) / 1000 : 0;
+    res.timed = true;
+    res.device_us = t->device_ns / 1000;
+    res.kernel_us = t->kernel_ns / 1000;
+    int rc = kp_step_result_encode(&o->w, r->id, &res, &e);
+    /* The frame references the positions and the output: they now live as long as it. */
+    void *keep[2] = {x->step.pos, x->step.out};
+    x->step.pos = NULL;
+    x->step.out = NULL;
+    for (int i = 0; i < 2; i++) {
+        if (!keep[i])
+            continue;
+        if (rc == KP_OK && kd_out_keep(o, keep[i]) != KP_OK)
+            rc = kp_fail(&e, KP_E_NO_MEMORY, "no memory to hold the result");
+        else if (rc != KP_OK)
+            free(keep[i]);
+    }
+    kd_req_reply(r, o, rc, &e);
+}
+
+/* ---------------------------------------------------------------------- */
 /* Slot operations                                                        */
 /* ---------------------------------------------------------------------- */
 
@@ -713,6 +909,7 @@ kd_prepare kd_exec_prepare(kd_req *r, kd_batch *b)
 {
     switch (r->method) {
     case KP_METHOD_PREFILL: return prepare_prefill(r, b);
+    case KP_METHOD_STEP: return prepare_step(r, b);
     case KP_METHOD_SLOT_FORK: return prepare_fork(r, b);
     case KP_METHOD_SLOT_READ: return prepare_read(r, b);
     default: return prepare_write(r, b);
@@ -741,6 +938,7 @@ void kd_exec_finish(kd_req *r, const kd_batch *b)
     }
     switch (r->method) {
     case KP_METHOD_PREFILL: finish_prefill(r, b); break;
+    case KP_METHOD_STEP: finish_step(r, b); break;
     case KP_METHOD_SLOT_FORK: finish_fork(r); break;
     case KP_METHOD_SLOT_READ: finish_read(r); break;
     default:
@@ -797,6 +995,11 @@ static void exec_release(kd_req *r)
         free(x->prefill.buf);
         free(x->prefill.out);
         free(x->prefill.pos);
+        break;
+    case KP_METHOD_STEP:
+        free(x->step.seqs);
+        free(x->step.pos);
+        free(x->step.out);
         break;
     case KP_METHOD_SLOT_FORK:
         if (x->fork.allocated) { /* a destination the client never saw */

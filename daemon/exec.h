@@ -1,5 +1,5 @@
 /*
- * exec.h - the requests that run in slot order: prefill, slot.free,
+ * exec.h - the requests that run in slot order: prefill, step, slot.free,
  * slot.reset, slot.fork, slot.read, slot.write (PROTOCOL.md §Ordering and
  * atomicity).
  *
@@ -28,7 +28,7 @@
 #include "client.h"
 #include "sem.h"
 
-/* Admits a prefill or slot operation into the scheduler.  On failure
+/* Admits a prefill, step or slot operation into the scheduler.  On failure
  * (returned, with e) the caller answers r; what it took goes with the
  * answer (r's release hook). */
 int kd_exec_admit(kd_req *r, kp_error *e);

@@ -16,7 +16,7 @@ for o in $("$kdad" --help | options); do
 done
 ctl_man=$(man_text "$src/docs/man/kdactl.1")
 bash_c=$src/client/completion/kdactl.bash zsh_c=$src/client/completion/_kdactl
-for cmd in "" hello ping health stats layer slot prefill bench; do
+for cmd in "" hello ping health stats layer slot prefill bench step "bench --decode"; do
   for o in $("$kdactl" $cmd --help | options); do
     [ "$o" = --help ] && continue
     grep -qF -- "$o" <<<"$ctl_man" || fail "kdactl.1 lacks $o (kdactl $cmd --help has it)"

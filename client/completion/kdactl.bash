@@ -6,7 +6,7 @@ _kdactl()
     _init_completion || return
 
     local globals="--socket --gpu --json --timeout --retries --retry-delay --no-retry --help --version"
-    local commands="hello ping health stats layer slot prefill bench help"
+    local commands="hello ping health stats layer slot prefill bench step help"
 
     case $prev in
         --socket|-s|--input|-i|--output|-o|--weights|-w)
@@ -50,7 +50,8 @@ _kdactl()
             [[ -z $action ]] && { COMPREPLY=($(compgen -W "alloc free reset fork save load info" -- "$cur")); return; }
             opts="--count --empty --dst --output --input --dtype" ;;
         prefill) opts="--input --output --random --tokens --heads --seqs --seed --transport --check" ;;
-        bench) opts="--clients --depth --requests --duration --tokens --dist --seqs --lengths --transport --warmup --seed --spin --ring --align" ;;
+        bench) opts="--clients --depth --requests --duration --tokens --dist --seqs --lengths --transport --warmup --seed --spin --ring --align --decode --steps" ;;
+        step) opts="--input --random --seqs --tokens --seed --repeat" ;;
     esac
     COMPREPLY=($(compgen -W "$opts $globals" -- "$cur"))
 }

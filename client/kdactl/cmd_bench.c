@@ -32,6 +32,7 @@ static const char bench_help[] =
     "                    [--tokens T] [--dist fixed|mixed|uniform] [--seqs S]\n"
     "                    [--lengths L1,L2,...] [--transport inline|shm|cuda-ipc|cuda-vmm]\n"
     "                    [--warmup W] [--seed X] [--spin US] [--ring] [--align BYTES]\n"
+    "       kdactl bench --decode [...]   decode steps ('kdactl bench --decode --help')\n"
     "\n"
     "Load generator: C connections each keep D prefill requests of S sequences in\n"
     "flight (every sequence on its own slot), until N requests completed (default 100)\n"
@@ -650,6 +651,10 @@ static int parse_bench(int argc, char **argv, bench_opts *o)
 
 int cmd_bench(ctl *g, int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--decode") == 0)
+            return cmd_bench_decode(g, argc, argv); /* cmd_step.c */
+    }
     bench b;
     memset(&b, 0, sizeof(b));
     int rc = parse_bench(argc, argv, &b.o);

@@ -58,6 +58,8 @@ int cmd_layer(ctl *g, int argc, char **argv);
 int cmd_slot(ctl *g, int argc, char **argv);
 int cmd_prefill(ctl *g, int argc, char **argv);
 int cmd_bench(ctl *g, int argc, char **argv);
+int cmd_step(ctl *g, int argc, char **argv);        /* cmd_step.c */
+int cmd_bench_decode(ctl *g, int argc, char **argv); /* cmd_step.c: kdactl bench --decode */
 
 /* The exit code for a libkdaclient error code. */
 int ctl_exit_code(int code);

@@ -31,6 +31,7 @@ static const command commands[] = {
     {"slot", cmd_slot, 0, "alloc, free, reset, fork, save, load, info of state slots"},
     {"prefill", cmd_prefill, 0, "run a prefill from a golden-format file or random inputs"},
     {"bench", cmd_bench, 0, "load generator: concurrent clients, latency and throughput"},
+    {"step", cmd_step, 0, "run a decode step (many sequences, a few tokens each)"},
 };
 #define NCOMMANDS (sizeof(commands) / sizeof(commands[0]))
 

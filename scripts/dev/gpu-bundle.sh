@@ -16,13 +16,13 @@ for pkg in libuv1 libmsgpackc2 libyaml-0-2 libjson-c5 libcmocka0 libsystemd0; do
 done
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build-gpu -j"$(nproc)" --target test_wgmma_layout test_cuda_kernel bench_kernel bench_kernel_profile bench_launch bench_ipc \
     kdad kdactl test_daemon_cuda test_daemon_shm_cuda test_daemon_ring_cuda test_daemon_cuda_ipc kda_golden_cases \
-    test_cuda_decode test_shard_cuda test_daemon_stream_cuda bench_layers
+    test_cuda_decode test_shard_cuda test_daemon_stream_cuda bench_layers test_daemon_step_cuda
 cp build-gpu/golden/*.safetensors .device/golden/
 cp build-gpu/tests/test_wgmma_layout build-gpu/tests/test_cuda_kernel build-gpu/tests/test_cuda_decode build-gpu/bench/bench_kernel \
    build-gpu/bench/bench_kernel_profile build-gpu/bench/bench_launch build-gpu/bench/bench_ipc build-gpu/daemon/kdad build-gpu/client/kdactl \
    build-gpu/tests/test_daemon_cuda build-gpu/tests/test_daemon_shm_cuda \
    build-gpu/tests/test_daemon_ring_cuda build-gpu/tests/test_daemon_cuda_ipc \
-   build-gpu/tests/test_shard_cuda build-gpu/tests/test_daemon_stream_cuda build-gpu/bench/bench_layers \
+   build-gpu/tests/test_shard_cuda build-gpu/tests/test_daemon_stream_cuda build-gpu/bench/bench_layers build-gpu/tests/test_daemon_step_cuda \
    .device/bin/
 cp -L build-gpu/client/libkdaclient.so.0 .device/bin/   # kdactl's RUNPATH points into build-gpu
 # Debug information stripped (libkdaclient's symbols kept) so that .device stays under the
