@@ -1496,9 +1496,15 @@ static int resolve_device(const char *spec, int *ordinal, char *err, size_t errl
 {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n == 0) {
-        snprintf(err, errlen, "device %s: no CUDA device (%s)", spec,
-                 e != cudaSuccess ? cudaGetErrorString(e) : "none visible");
+    if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice || (e == cudaSuccess && n == 0)) {
+        snprintf(err, errlen, "no GPU: %s",
+                 e == cudaErrorInsufficientDriver
+                     ? "no NVIDIA driver is loaded, or it is older than this CUDA runtime"
+                     : "the NVIDIA driver sees no device");
+        return KP_E_NOT_SUPPORTED;
+    }
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "device %s: cudaGetDeviceCount: %s", spec, cudaGetErrorString(e));
         return KP_E_NOT_SUPPORTED;
     }
     if (strncmp(spec, "GPU-", 4) != 0) { /* config.c admits digits or a UUID prefix */

@@ -638,7 +638,11 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
     uint64_t sync_slot = alloc(f.c), slot = alloc(f.c);
-    uint16_t *ref = malloc(DH_TOKEN_BYTES(LEN)), *got = calloc(1, DH_TOKEN_BYTES(LEN));
+    uint16_t *ref = malloc(DH_TOKEN_BYTES(LEN)), *got;
+    /* Pinned: a copy into pageable memory would return only once done, and this one waits
+       behind the gate the host opens below. */
+    CUDA_OK(cudaMallocHost((void **)&got, DH_TOKEN_BYTES(LEN)));
+    memset(got, 0, DH_TOKEN_BYTES(LEN));
     kdac_seq iq = inline_seq(sync_slot, &s, ref);
     assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, NULL, &err), KDAC_OK);
 
@@ -697,7 +701,7 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     f.c = NULL;
     kdac_shm_unmap_device(&f.shm);
     free(staged);
-    free(got);
+    cudaFreeHost(got);
     free(ref);
     dh_seq_free(&s);
     teardown(&f);

@@ -125,7 +125,7 @@ class CudaTest(unittest.TestCase):
         beta.zero_()
         self.c.prefill("C", [dict(views, beta=beta, slot=s)])
         released = self.c.regions()["cuda_released"]
-        del views, beta, big
+        del views, beta, big, t                         # t: the loop's last view of big
         torch.cuda.empty_cache()                        # the segment is freed
         other = to_cuda(rand_seq(self.rng, 16, H))
         self.c.prefill("C", [dict(other, slot=s)])      # a miss sweeps the dead registration
