@@ -3,7 +3,7 @@
  * process's cudaIpcMemHandle, and on what does that depend?  (kdad's mixed
  * batches ran ~24% slower on CUDA IPC regions than on VMM ones; measured
  * here: it is the exported allocation's size, not where the tensors sit in
- * it.  RESULTS.md, tenth session.)
+ * it.  bench/RESULTS.md, "End to end", 2026-11-29.)
  *
  *   bench_ipc [--reps N]
  *

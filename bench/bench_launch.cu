@@ -13,7 +13,7 @@
  * record nodes (e0, e1) or a write of the word the host spins on (cuStreamWriteValue32
  * captured; the kernel then does not write it):
  *   graph         [copy, kernel]
- *   e0 copy k e1  [e0, copy, kernel, e1]   kdad's graph of the eighth session
+ *   e0 copy k e1  [e0, copy, kernel, e1]   kdad's graph as of 2026-11-29
  *   copy e0 k e1  [copy, e0, kernel, e1]
  *   e0 copy k     [e0, copy, kernel]
  *   copy k e1     [copy, kernel, e1]
@@ -24,7 +24,7 @@
  * and without a graph:
  *   kernel        cudaLaunchKernel alone, small parameters
  *
- * (The ninth session's armed launches, a graph queued behind cuStreamWaitValue32 and released
+ * (Armed launches, tried on 2026-11-29: a graph queued behind cuStreamWaitValue32 and released
  * by a store to a flag in pinned host memory or by cuStreamWriteValue32 on a flag in device
  * memory, measured 18.6 and 16.8 us here against 10.0 for the graph: RESULTS.md.)
  *
