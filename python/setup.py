@@ -26,7 +26,8 @@ def kda_proto_sources():
 
 PROTO_SOURCES = kda_proto_sources()
 CLIENT_SOURCES = sorted(f for f in os.listdir(os.path.join(ROOT, "client", "src")) if f.endswith(".c"))
-MODULE_SOURCES = ["module.c", "client_type.c", "tensors.c", "cuda.c", "results.c"]
+MODULE_SOURCES = ["module.c", "client_type.c", "tensors.c", "cuda.c", "results.c", "step.c",
+                  "ordered.c"]
 MSGPACK_ARCHIVES = ["/usr/lib/x86_64-linux-gnu/libmsgpackc.a",
                     "/usr/lib/aarch64-linux-gnu/libmsgpackc.a", "/usr/lib/libmsgpackc.a"]
 

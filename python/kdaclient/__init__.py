@@ -25,7 +25,8 @@ from ._kdaclient import (DEFAULT_SCALE, HEAD_DIM, LIBRARY_VERSION, PROTOCOL_VERS
 from .aio import AsyncClient
 
 __version__ = LIBRARY_VERSION
-__all__ = ["connect", "Client", "AsyncClient", "Error", "to_bf16", "from_bf16", "socket_default",
+__all__ = ["connect", "Client", "AsyncClient", "StreamPrefill", "Error", "to_bf16", "from_bf16",
+           "socket_default",
            "DEFAULT_SCALE", "HEAD_DIM", "PROTOCOL_VERSION", "__version__"]
 
 
@@ -155,11 +156,108 @@ class Client(_kdaclient._Client):
             os.close(fd)
         return arr
 
+    def prefill_on_stream(self, layer, seqs, stream):
+        """A prefill ordered by a CUDA stream instead of the host; returns a
+        :class:`StreamPrefill` at once, without waiting.
+
+        ``stream``: a ``torch.cuda.Stream`` (or anything with ``cuda_stream``, ``ptr`` or
+        ``__cuda_stream__``), or a ``cudaStream_t`` as an int, of the calling thread's current
+        CUDA context.  On it the call enqueues the store of the request's ready word (work
+        enqueued before the call produces the inputs) and a wait for its done word (work
+        enqueued after the call may consume the outputs), then sends the request; the daemon
+        runs it once the stream reaches the ready store.  ``stream=None``: the host orders it
+        instead, the request waiting in the daemon until :meth:`StreamPrefill.set_ready`.
+
+        ``seqs`` as for :meth:`prefill`, but every tensor, ``out`` included, must be a CUDA
+        tensor or lie in :meth:`shared_array` memory (a host array would be read when the call
+        is made, before the stream has produced it).  A request that fails, however it fails
+        (the daemon's error, a lost connection, :meth:`close`), releases the stream's wait
+        with the failure bit: check :meth:`StreamPrefill.result` before trusting the outputs.
+        The client learns of a lost connection when it reads its socket: keep calling
+        ``result()`` / ``done()``, or drive it with an :class:`AsyncClient`, while streams wait.
+        Needs the daemon's ``prefill.semaphores`` feature (else NotSupported).
+        """
+        h = StreamPrefill(self)
+        h._pair, h._value = self._submit_prefill_on_stream(layer, seqs, _stream_handle(stream),
+                                                           h._complete)
+        h._host = stream is None
+        return h
+
     def regions(self):
         """What this client holds of its ``max_regions_per_client``: CUDA registrations
         (``cuda``, and ``cuda_registered`` / ``cuda_released`` since it opened), staging
         buffers, shared arrays."""
         return self._region_counts()
+
+
+def _stream_handle(stream):
+    """A CUDA stream object (or int) -> its cudaStream_t as an int; None stays None."""
+    if stream is None or isinstance(stream, int):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):   # the CUDA stream protocol: (version, handle)
+        return int(stream.__cuda_stream__()[1])
+    for attr in ("cuda_stream", "ptr"):      # torch.cuda.Stream, cupy.cuda.Stream
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise TypeError("stream: %r is not a CUDA stream (torch.cuda.Stream, an int cudaStream_t, "
+                    "or None)" % (stream,))
+
+
+class StreamPrefill:
+    """A stream-ordered prefill in flight (:meth:`Client.prefill_on_stream`).
+
+    Its response arrives whenever the client next reads its socket: :meth:`result` waits for
+    it, :meth:`done` takes what has arrived without waiting, and an :class:`AsyncClient`
+    driving the same client completes it by itself.
+    """
+
+    def __init__(self, client):
+        self._c = client
+        self._finished = False
+        self._result = self._exc = None
+        self.timings = None
+        """The daemon's times of the request (as ``Client.last_timings``) once it succeeded."""
+
+    def _complete(self, result, exc, timings):
+        self._result, self._exc, self.timings = result, exc, timings
+        self._finished = True
+
+    def set_ready(self):
+        """Writes the ready word from the host (``stream=None`` only): call it once the
+        request's inputs are written.  Any thread may call it."""
+        if not self._host:
+            raise ValueError("set_ready: this prefill's stream writes its ready word")
+        self._c._set_ready(self._pair, self._value)
+
+    def done_word(self):
+        """The done word as the host sees it: 0 not yet, 1 done, -1 failed (a word in shared
+        memory; on a GPU the daemon may write it after its response)."""
+        return self._c._done_word(self._pair, self._value)
+
+    def done(self):
+        """True once the response arrived (reads what the socket holds, without waiting)."""
+        if not self._finished and not self._c.closed:
+            self._c._progress()
+        return self._finished
+
+    def result(self, timeout=None):
+        """Waits for the response; returns what :meth:`Client.prefill` returns (one dict per
+        sequence: ``pos``, ``out``) or raises its :class:`Error` (``ReadyTimeout`` when the
+        ready word stayed low, ``Disconnected`` or ``Canceled`` when the connection went).
+        ``timeout``: seconds, None to wait without a bound; TimeoutError when it passes (the
+        request stays in flight)."""
+        import time
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._finished:
+            if self._c.closed:
+                raise Canceled("the client was closed", -104, False)
+            left = -1.0 if end is None else end - time.monotonic()
+            if end is not None and left <= 0:
+                raise TimeoutError("the stream-ordered prefill has not completed")
+            self._c._wait(left)
+        if self._exc is not None:
+            raise self._exc
+        return self._result
 
 
 def connect(path=None, timeout=None, *, name=None, inline_max=None):

@@ -51,6 +51,23 @@ class AsyncClient:
         self._arm(self._c._events())
         return await fut
 
+    async def step(self, layer, slots, q, k, v, g, beta, *, lens=None, expect_pos=None,
+                   out=None, states=None, sync=True):
+        """Like :meth:`Client.step`, without blocking the loop (the arrays must stay unchanged
+        until it completes)."""
+        fut = self._loop.create_future()
+        self._c._submit_step(layer, slots, q, k, v, g, beta, lens=lens, expect_pos=expect_pos,
+                             out=out, states=states, sync=sync,
+                             callback=functools.partial(_resolve, fut))
+        self._arm(self._c._events())
+        return await fut
+
+    def prefill_on_stream(self, layer, seqs, stream):
+        """:meth:`Client.prefill_on_stream`; this object's reader completes the handle."""
+        h = self._c.prefill_on_stream(layer, seqs, stream)
+        self._arm(self._c._events())
+        return h
+
     def _arm(self, events):
         want = bool(events & _kdaclient.WRITABLE)
         if want and not self._writing:
@@ -93,7 +110,7 @@ class AsyncClient:
         return False
 
 
-def _resolve(fut, result, exc):
+def _resolve(fut, result, exc, timings):
     if fut.cancelled():
         return
     if exc is not None:

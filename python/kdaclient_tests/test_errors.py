@@ -222,7 +222,7 @@ class ConnectionErrorsTest(unittest.TestCase):
             s, = c.alloc_slots(1)
             x = rand_seq(np.random.default_rng(0), 8, H)
             got = []
-            c._submit_prefill("E", [dict(x, slot=s)], lambda r, e: got.append((r, e)))
+            c._submit_prefill("E", [dict(x, slot=s)], lambda r, e, t: got.append((r, e)))
             c.close()    # in flight: completes with CANCELED inside close
             self.assertEqual(len(got), 1)
             self.assertIsInstance(got[0][1], kdaclient.Canceled)

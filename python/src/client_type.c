@@ -119,7 +119,9 @@ static void client_shutdown(ClientObject *self)
     for (int i = 0; i < KP_STAGING_MAX; i++)
         self->stg[i].region = 0;
     self->c = NULL;
-    kdac_client_close(c); /* runs pending callbacks with CANCELED (GIL held) */
+    kdac_client_close(c); /* runs pending callbacks with CANCELED (GIL held), which write
+                             the failure value into stream-ordered done words */
+    kp_words_close(self);
     kp_staging_close_all(self);
     kp_arenas_close_all(self);
     kp_unlock(self);
@@ -448,8 +450,7 @@ static PyObject *client_alloc_slots(PyObject *o, PyObject *args, PyObject *kw)
     return list;
 }
 
-/* handles (an int or an iterable of ints) -> array; *n its length. */
-static uint64_t *handle_list(PyObject *h, uint32_t *n)
+uint64_t *kp_handle_list(PyObject *h, uint32_t *n)
 {
     if (PyLong_Check(h)) {
         uint64_t *a = PyMem_Malloc(sizeof(*a));
@@ -496,7 +497,7 @@ static PyObject *slot_list_call(ClientObject *self, PyObject *args, PyObject *kw
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O", kwlist, &h) || kp_check_open(self))
         return NULL;
     uint32_t n;
-    uint64_t *a = handle_list(h, &n);
+    uint64_t *a = kp_handle_list(h, &n);
     if (!a)
         return NULL;
     kdac_error err;
@@ -547,7 +548,7 @@ static PyObject *client_slot_info(PyObject *o, PyObject *args, PyObject *kw)
         return NULL;
     uint32_t n = 0;
     uint64_t *a = NULL;
-    if (h != Py_None && !(a = handle_list(h, &n)))
+    if (h != Py_None && !(a = kp_handle_list(h, &n)))
         return NULL;
     kdac_slot_info_result res;
     kdac_error err;
@@ -721,6 +722,15 @@ out:
 /* Prefill                                                                   */
 /* ------------------------------------------------------------------------ */
 
+void kp_set_timings(ClientObject *self, uint64_t queue, uint64_t run, uint64_t device,
+                    uint64_t kernel)
+{
+    self->last_us[0] = queue;
+    self->last_us[1] = run;
+    self->last_us[2] = device;
+    self->last_us[3] = kernel;
+}
+
 static PyObject *client_prefill(PyObject *o, PyObject *args, PyObject *kw)
 {
     ClientObject *self = (ClientObject *)o;
@@ -745,10 +755,7 @@ static PyObject *client_prefill(PyObject *o, PyObject *args, PyObject *kw)
     if (rc == 0) {
         kp_request_unstage(&r);
         ret = kp_prefill_result(&r, res.pos); /* res.pos lives until the next call */
-        self->last_us[0] = res.queue_us;
-        self->last_us[1] = res.run_us;
-        self->last_us[2] = res.device_us;
-        self->last_us[3] = res.kernel_us;
+        kp_set_timings(self, res.queue_us, res.run_us, res.device_us, res.kernel_us);
     }
     kp_unlock(self);
     if (rc != 0)
@@ -758,41 +765,47 @@ out:
     return ret;
 }
 
-/* A completion of _submit_prefill: callback(result, None) or callback(None, exc). */
-static void prefill_done(kdac_client *c, void *data, const kdac_result *res, int status)
+void kp_complete(ClientObject *self, PyObject *cb, PyObject *result, PyObject *exc)
+{
+    PyObject *timings = result ? kp_timings(self->last_us) : NULL;
+    if (result && !timings) {
+        Py_CLEAR(result);
+        exc = kp_fetch_exception();
+    }
+    self->in_callback++;
+    PyObject *ret = PyObject_CallFunctionObjArgs(cb, result ? result : Py_None,
+                                                 exc ? exc : Py_None,
+                                                 timings ? timings : Py_None, NULL);
+    self->in_callback--;
+    if (!ret)
+        PyErr_WriteUnraisable(cb);
+    Py_XDECREF(ret);
+    Py_XDECREF(result);
+    Py_XDECREF(exc);
+    Py_XDECREF(timings);
+}
+
+/* A completion of _submit_prefill (and of stream-ordered prefills):
+ * callback(result, None, timings) or callback(None, exc, None). */
+void kp_prefill_done(kdac_client *c, void *data, const kdac_result *res, int status)
 {
     request *r = data;
     PyGILState_STATE g = PyGILState_Ensure();
     ClientObject *self = r->client;
     PyObject *result = NULL, *exc = NULL;
+    if (r->pair >= 0)
+        kp_words_put(self, r->pair); /* the library wrote a failure value before this */
     if (status == 0) {
         const kdac_prefill_result *p = &res->u.prefill;
         kp_request_unstage(r);
         result = kp_prefill_result(r, p->pos);
-        self->last_us[0] = p->queue_us;
-        self->last_us[1] = p->run_us;
-        self->last_us[2] = p->device_us;
-        self->last_us[3] = p->kernel_us;
+        kp_set_timings(self, p->queue_us, p->run_us, p->device_us, p->kernel_us);
     } else {
         exc = kp_make_exception(&res->error);
     }
-    if (!result && !exc) { /* building the result failed: hand that error over */
-        PyObject *t, *v, *tb;
-        PyErr_Fetch(&t, &v, &tb);
-        PyErr_NormalizeException(&t, &v, &tb);
-        exc = v ? v : Py_NewRef(Py_None);
-        Py_XDECREF(t);
-        Py_XDECREF(tb);
-    }
-    self->in_callback++;
-    PyObject *ret = PyObject_CallFunctionObjArgs(r->callback, result ? result : Py_None,
-                                                 exc ? exc : Py_None, NULL);
-    self->in_callback--;
-    if (!ret)
-        PyErr_WriteUnraisable(r->callback);
-    Py_XDECREF(ret);
-    Py_XDECREF(result);
-    Py_XDECREF(exc);
+    if (!result && !exc) /* building the result failed: hand that error over */
+        exc = kp_fetch_exception();
+    kp_complete(self, r->callback, result, exc);
     self->async_inflight--;
     kp_request_release(r);
     PyMem_Free(r);
@@ -818,7 +831,7 @@ static PyObject *client_submit_prefill(PyObject *o, PyObject *args, PyObject *kw
         goto fail;
     r->callback = Py_NewRef(cb);
     kdac_error err;
-    if (kdac_prefill_send(self->c, layer, r->seqs, r->nseqs, prefill_done, r, &err) != 0) {
+    if (kdac_prefill_send(self->c, layer, r->seqs, r->nseqs, kp_prefill_done, r, &err) != 0) {
         kp_raise(&err);
         goto fail;
     }
@@ -950,10 +963,7 @@ static PyObject *get_inflight(PyObject *o, void *unused)
 
 static PyObject *get_last_timings(PyObject *o, void *unused)
 {
-    const uint64_t *t = ((ClientObject *)o)->last_us;
-    return Py_BuildValue("{sKsKsKsK}", "queue_us", (unsigned long long)t[0], "run_us",
-                         (unsigned long long)t[1], "device_us", (unsigned long long)t[2],
-                         "kernel_us", (unsigned long long)t[3]);
+    return kp_timings(((ClientObject *)o)->last_us);
 }
 
 static PyGetSetDef getset[] = {
@@ -962,7 +972,7 @@ static PyGetSetDef getset[] = {
     {"path", get_path, NULL, "The socket path this client connected to.", NULL},
     {"inflight", get_inflight, NULL, "Non-blocking requests not yet completed.", NULL},
     {"last_timings", get_last_timings, NULL,
-     "The daemon's times of the last completed prefill, microseconds: queue_us (admission to "
+     "The daemon's times of the last completed prefill or step, microseconds: queue_us (admission to "
      "launch), run_us (launch to completion), device_us and kernel_us (0 when not reported).",
      NULL},
     {NULL},
@@ -1043,6 +1053,25 @@ static PyMethodDef client_methods[] = {
      "UnknownLayer, StaleSlot, PositionMismatch, StateLost, LimitExceeded, InvalidParams, "
      "DeviceFailed, ..."},
     {"_submit_prefill", (PyCFunction)(void (*)(void))client_submit_prefill, KW, NULL},
+    {"step", (PyCFunction)(void (*)(void))kp_client_step, KW,
+     "step($self, layer, slots, q, k, v, g, beta, *, lens=None, expect_pos=None, out=None, "
+     "states=None, sync=True)\n--\n\n"
+     "Returns dict. Runs one decode step with the weights of layer: sequence i continues the "
+     "state in slots[i] by lens[i] tokens (1..16; None: 1 each; an int: that many each), the "
+     "sequences' tokens back to back in one tensor per input: q, k, v, g (bf16 [T, H, 128], T "
+     "the sum of lens), beta (bf16 [T, H]); optionally out (bf16 [T, H, 128], written in "
+     "place), expect_pos (one position per slot: PositionMismatch unless every slot is there) "
+     "and states (the pool's dtype [T, H, 128, 128]: the state after every token, for rolling "
+     "a speculative draft back with write_slot; True: a new NumPy array). One device launch, "
+     "all or nothing. Returns {'pos': [each slot's new position], 'out': out or a new uint16 "
+     "array, 'states': states or None}. Needs a daemon with the 'step' feature (else "
+     "UnknownMethod). Raises as prefill."},
+    {"_submit_step", (PyCFunction)(void (*)(void))kp_client_submit_step, KW, NULL},
+    {"_submit_prefill_on_stream", (PyCFunction)(void (*)(void))kp_client_submit_ordered, KW,
+     NULL},
+    {"_set_ready", kp_client_set_ready, METH_VARARGS, NULL},
+    {"_done_word", kp_client_done_word, METH_VARARGS, NULL},
+    {"_wait", kp_client_wait, METH_VARARGS, NULL},
     {"_progress", client_progress, METH_NOARGS, NULL},
     {"_events", client_events, METH_NOARGS, NULL},
     {"fileno", client_fileno, METH_NOARGS,

@@ -295,9 +295,8 @@ int kp_cuda_region(ClientObject *self, uint64_t ptr, uint64_t nbytes, const char
             i++;
     }
     kp_cuda_sweep(self, false);
-    uint32_t budget = self->max_regions > KP_REGIONS_RESERVED + 1
-                          ? self->max_regions - KP_REGIONS_RESERVED
-                          : 1;
+    uint32_t reserve = KP_REGIONS_RESERVED + (self->words != NULL); /* + the words' page */
+    uint32_t budget = self->max_regions > reserve + 1 ? self->max_regions - reserve : 1;
     while (self->ncuda >= budget) {
         /* the least recently used, but none the request being built names */
         uint32_t lru = UINT32_MAX;

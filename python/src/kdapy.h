@@ -10,6 +10,9 @@
  *   cuda.c         CUDA regions: segment lookup through the driver (dlopen'd),
  *                  the per-allocation registration cache
  *   results.c      exceptions and result objects
+ *   step.c         decode steps (Client.step): packed tensors, kept states
+ *   ordered.c      stream-ordered prefills: the client's semaphore words,
+ *                  the ready write and done wait on the caller's CUDA stream
  *
  * Built against the stable ABI (Py_LIMITED_API, set by setup.py).
  */
@@ -48,6 +51,20 @@ typedef struct arena {
     PyObject *owner; /* the mmap: keeps the addresses valid while the entry exists */
 } arena;
 
+/* Semaphore words of stream-ordered prefills: one shared-memory page set
+ * registered as a region, pairs of 64-bit words (ready at 16 * i, done at
+ * 16 * i + 8) handed out first in, first out. */
+#define KP_WORD_PAIRS 4096
+typedef struct words {
+    kdac_shm shm;       /* shm.base NULL until the first stream-ordered prefill */
+    uint32_t region;
+    uint64_t dev;       /* device address of shm.base once mapped for the devices */
+    uint64_t value;     /* the last semaphore value handed out (values only rise) */
+    uint32_t ring[KP_WORD_PAIRS]; /* free pairs, from head */
+    uint32_t head, nfree;
+    uint32_t retired;   /* pairs whose done word keeps a failure value (never reused) */
+} words;
+
 /* One registered CUDA allocation. */
 typedef struct cuda_entry {
     uint64_t buffer_id; /* CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation (VMM:
@@ -77,7 +94,9 @@ typedef struct ClientObject {
     uint64_t use_clock;         /* advanced per request: its registrations are not evicted */
     uint64_t cuda_registered;   /* registrations made, for tests and tuning */
     uint64_t cuda_released;
-    uint64_t last_us[4];        /* the last completed prefill: queue, run, device, kernel */
+    uint64_t last_us[4];        /* the last completed prefill or step: queue, run, device,
+                                   kernel */
+    words *words;               /* stream-ordered prefills' semaphores (NULL until used) */
     PyObject *weakreflist;
 } ClientObject;
 
@@ -113,7 +132,8 @@ typedef struct request {
     copyback *cbs;
     uint32_t ncbs;
     bool any_cuda;
-    PyObject *callback;     /* async: called with the result or an exception */
+    PyObject *callback;     /* async: called with (result, exception, timings) */
+    int32_t pair;           /* stream-ordered: its semaphore words, else -1 */
 } request;
 
 /* module.c */
@@ -130,6 +150,10 @@ PyObject *kp_make_exception(const kdac_error *err);
 PyObject *kp_new_array(const Py_ssize_t *shape, int ndim, const char *dtype, Py_buffer *view);
 /* The prefill result list from positions and out arrays. */
 PyObject *kp_prefill_result(request *r, const uint64_t *pos);
+/* {"queue_us", "run_us", "device_us", "kernel_us"} of us[4]. */
+PyObject *kp_timings(const uint64_t *us);
+/* The pending exception as an object (for a completion callback), or None. */
+PyObject *kp_fetch_exception(void);
 
 /* tensors.c */
 typedef enum kp_elem { KP_ELEM_BF16, KP_ELEM_F32, KP_ELEM_STATE } kp_elem;
@@ -138,6 +162,9 @@ int kp_tensor_resolve(ClientObject *self, PyObject *obj, const char *field, kp_e
 void kp_tensor_release(tensor_arg *t);
 int kp_request_build(ClientObject *self, PyObject *seqs, request *r);
 void kp_request_release(request *r);
+/* Raises ValueError naming the first tensor of r that is not in a region (a CUDA
+ * tensor or shared_array memory), ending the message with why. */
+int kp_request_require_regions(const request *r, const char *why);
 /* Copies staged outputs back and gives the staging buffer back. */
 void kp_request_unstage(request *r);
 /* Routes the host arrays of r through a staging buffer when they exceed the inline limit. */
@@ -184,5 +211,28 @@ static inline void kp_unlock(ClientObject *self)
         Py_END_ALLOW_THREADS      \
     } while (0)
 int kp_check_open(ClientObject *self);
+/* handles (an int or an iterable of ints) -> PyMem array; *n its length. */
+uint64_t *kp_handle_list(PyObject *h, uint32_t *n);
+/* The completion of a non-blocking prefill (r->callback gets the outcome). */
+void kp_prefill_done(kdac_client *c, void *data, const kdac_result *res, int status);
+/* Calls cb(result, exc, timings) as a completion callback of self, then lets go of it. */
+void kp_complete(ClientObject *self, PyObject *cb, PyObject *result, PyObject *exc);
+/* Records a completed call's timings (last_timings). */
+void kp_set_timings(ClientObject *self, uint64_t queue, uint64_t run, uint64_t device,
+                    uint64_t kernel);
+
+/* step.c */
+PyObject *kp_client_step(PyObject *o, PyObject *args, PyObject *kw);
+PyObject *kp_client_submit_step(PyObject *o, PyObject *args, PyObject *kw);
+
+/* ordered.c */
+PyObject *kp_client_submit_ordered(PyObject *o, PyObject *args, PyObject *kw);
+PyObject *kp_client_set_ready(PyObject *o, PyObject *args);
+PyObject *kp_client_done_word(PyObject *o, PyObject *args);
+PyObject *kp_client_wait(PyObject *o, PyObject *args);
+/* Gives a completed request's words back (or retires them when its done word failed). */
+void kp_words_put(ClientObject *self, int32_t pair);
+/* Unmaps and closes the words (after the connection is closed). */
+void kp_words_close(ClientObject *self);
 
 #endif /* KDAPY_H */

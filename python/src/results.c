@@ -57,3 +57,22 @@ PyObject *kp_prefill_result(request *r, const uint64_t *pos)
     }
     return list;
 }
+
+PyObject *kp_timings(const uint64_t *us)
+{
+    return Py_BuildValue("{sKsKsKsK}", "queue_us", (unsigned long long)us[0], "run_us",
+                         (unsigned long long)us[1], "device_us", (unsigned long long)us[2],
+                         "kernel_us", (unsigned long long)us[3]);
+}
+
+PyObject *kp_fetch_exception(void)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v && tb)
+        PyException_SetTraceback(v, tb);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    return v ? v : Py_NewRef(Py_None);
+}

@@ -630,6 +630,7 @@ int kp_request_build(ClientObject *self, PyObject *seqs, request *r)
 {
     memset(r, 0, sizeof(*r));
     r->client = self;
+    r->pair = -1;
     self->use_clock++;
     if (PyUnicode_Check(seqs) || PyDict_Check(seqs)) {
         PyErr_SetString(PyExc_TypeError, "seqs: a list of mappings expected");
@@ -708,6 +709,19 @@ int kp_request_stage(ClientObject *self, request *r)
             *dst[j % SEQ_FIELDS] = ref;
         }
         off += align16(t->nbytes);
+    }
+    return 0;
+}
+
+int kp_request_require_regions(const request *r, const char *why)
+{
+    for (uint32_t j = 0; j < r->nseqs * SEQ_FIELDS; j++) {
+        if (r->args[j].host && r->args[j].nbytes) {
+            PyErr_Format(PyExc_ValueError, "seqs[%u].%s: %s in host memory outside "
+                         "shared_array memory; %s", j / SEQ_FIELDS, FIELD[j % SEQ_FIELDS],
+                         j % SEQ_FIELDS == 5 ? "missing, or" : "", why);
+            return -1;
+        }
     }
     return 0;
 }
