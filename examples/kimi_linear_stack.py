@@ -8,7 +8,8 @@ Attention itself runs in kdad, with one state slot per layer and sequence.  The 
   1. registers the layers' KDA weights (A_log, dt_bias) and allocates the slots,
   2. prefills a batch of prompts of different lengths (one request per layer, all sequences),
   3. continues every sequence with a chunk (chunked prefill, expect_pos checked),
-  4. runs 1-token decode steps for all sequences at once,
+  4. runs 1-token decode steps for all sequences at once (one `step` request per layer, the
+     sequences' tokens packed, the projections run once for the batch),
 
 and checks every layer's KDA output against the float64 token loop of KDA.md on the exact
 bf16 inputs it sent (the accuracy contract: rel RMS < 0.005), and the stack's final hidden
@@ -101,6 +102,11 @@ class Backend:
     def from_bf16(self, x):
         return x.float() if self.torch else kdaclient.from_bf16(x)
 
+    def rmsnorm(self, x):
+        if self.torch:
+            return x * self.torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+        return rmsnorm(x)
+
     def sigmoid(self, x):
         return self.torch.sigmoid(x) if self.torch else 1 / (1 + np.exp(-x))
 
@@ -137,8 +143,7 @@ class ServedStack:
             w = be.w[li]
             seqs, keep = [], []
             for i, h in enumerate(hs):
-                hn = rmsnorm(h) if not be.torch else h * be.torch.rsqrt(
-                    (h * h).mean(-1, keepdim=True) + 1e-6)
+                hn = be.rmsnorm(h)
                 T = h.shape[0]
                 q, k, v = (be.bf16((hn @ w[n]).reshape(T, H, D)) for n in ("wq", "wk", "wv"))
                 g = be.bf16(((hn @ w["wg_a"]) @ w["wg_b"]).reshape(T, H, D))
@@ -158,15 +163,42 @@ class ServedStack:
                 o = be.from_bf16(r["out"])
                 self.sent[li][i].append({n: be.bits(s[n]) for n in ("q", "k", "v", "g", "beta")})
                 self.got[li][i].append(be.numpy(o))
-                # per-head RMS norm, output gate, projection back, residual
-                o = o / ((o * o).mean(-1, keepdims=True) + 1e-6) ** 0.5 if not be.torch else \
-                    o * be.torch.rsqrt((o * o).mean(-1, keepdim=True) + 1e-6)
-                o = o.reshape(T, H * D) * be.sigmoid(hn @ w["wo_gate"])
-                hs[i] = hs[i] + o @ w["wo"]
+                hs[i] = hs[i] + self.mix_out(w, hn, o)
         for i, x in enumerate(xs):
             self.pos[i] += len(x)
         be.sync()
         return [be.numpy(h) for h in hs]
+
+    def decode(self, xs):
+        """One token for every sequence (xs[i]: [1, d_model]): per layer one `step` request
+        with the sequences' tokens packed [n, H, 128], the projections run once for the
+        batch.  Returns the hidden states after the stack."""
+        be, n = self.be, len(xs)
+        h = be.tensor(np.concatenate(xs))
+        for li, name in enumerate(self.names):
+            w = be.w[li]
+            hn = be.rmsnorm(h)
+            q, k, v = (be.bf16((hn @ w[m]).reshape(n, H, D)) for m in ("wq", "wk", "wv"))
+            g = be.bf16(((hn @ w["wg_a"]) @ w["wg_b"]).reshape(n, H, D))
+            beta = be.bf16(hn @ w["wb"])
+            res = self.c.step(name, self.slots[li], q, k, v, g, beta, expect_pos=self.pos,
+                              out=be.empty_out(n))
+            assert res["pos"] == [p + 1 for p in self.pos], (res["pos"], self.pos)
+            o = be.from_bf16(res["out"])
+            for i in range(n):
+                self.sent[li][i].append({m: be.bits(t[i:i + 1]) for m, t in
+                                         zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta))})
+                self.got[li][i].append(be.numpy(o[i:i + 1]))
+            h = h + self.mix_out(w, hn, o)
+        self.pos = [p + 1 for p in self.pos]
+        be.sync()
+        return [be.numpy(h[i:i + 1]) for i in range(n)]
+
+    def mix_out(self, w, hn, o):
+        """KDA output [T, H, D] -> per-head RMS norm, output gate, projection back."""
+        T = o.shape[0]
+        o = self.be.rmsnorm(o).reshape(T, H * D) * self.be.sigmoid(hn @ w["wo_gate"])
+        return o @ w["wo"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,10 +287,11 @@ def main(argv=None):
         for i, h in enumerate(stack.forward([t[p:p + args.chunk]
                                              for t, p in zip(tokens, prompts)])):
             outs[i].append(h)
-        # 3. 1-token steps
+        # 3. 1-token decode steps (by prefills of 1-token sequences from a daemon without steps)
+        step = stack.decode if "step" in c.hello()["features"] else stack.forward
         for s in range(args.steps):
             at = [p + args.chunk + s for p in prompts]
-            for i, h in enumerate(stack.forward([t[a:a + 1] for t, a in zip(tokens, at)])):
+            for i, h in enumerate(step([t[a:a + 1] for t, a in zip(tokens, at)])):
                 outs[i].append(h)
         served_s = time.perf_counter() - t0
         info = c.slot_info()

@@ -30,5 +30,5 @@ cd "$work"   # not the sources: the installed package is the one imported
 "$work/v/bin/python" -c 'import kdaclient, sys; print("kdaclient", kdaclient.__version__, kdaclient._kdaclient.__file__)'
 export KDAD_BIN=$build/daemon/kdad KDAD_GOLDEN_DIR=$golden KDAD_EXAMPLES_DIR=$work/src/examples
 "$work/v/bin/python" -m unittest -v kdaclient_tests.test_api kdaclient_tests.test_async \
-  kdaclient_tests.test_errors kdaclient_tests.test_golden kdaclient_tests.test_example \
-  kdaclient_tests.test_cuda
+  kdaclient_tests.test_errors kdaclient_tests.test_step kdaclient_tests.test_ordered \
+  kdaclient_tests.test_golden kdaclient_tests.test_example kdaclient_tests.test_cuda

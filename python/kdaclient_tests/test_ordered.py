@@ -1,0 +1,200 @@
+"""Stream-ordered prefills (Client.prefill_on_stream) with the ready word written by the host
+(stream=None), against a kdad on the CPU backend: the request waits for its ready word, its
+done word and response, failures (the daemon's error, READY_TIMEOUT, a daemon that dies)
+releasing the done word with the failure bit and raising at result(), and the arguments
+refused.  The CUDA stream form is in test_cuda.py."""
+import asyncio
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import kdaclient
+from . import Daemon, rand_layer, rand_seq
+
+H = 4
+FIELDS = ("q", "k", "v", "g", "beta")
+CONFIG = "batching:\n  ready_timeout_ms: 300\n"
+
+
+def place(arena, off, x, with_out=True):
+    """Copies seq x into arena (uint16) from off at 16-byte aligned offsets; returns the
+    placed seq (views) and the next offset."""
+    placed = {}
+    for name in FIELDS + (("out",) if with_out else ()):
+        shape = x["q"].shape if name == "out" else x[name].shape
+        size = int(np.prod(shape))
+        placed[name] = arena[off:off + size].reshape(shape)
+        placed[name][...] = 0 if name == "out" else x[name]
+        off += (size + 7) // 8 * 8
+    return placed, off
+
+
+class OrderedTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.d = Daemon(heads=H, config=CONFIG).start()
+        cls.rng = np.random.default_rng(13)
+        cls.layer = rand_layer(cls.rng, H)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.d.stop()
+
+    def setUp(self):
+        self.c = self.d.connect()
+        self.c.register_layer("O", *self.layer, -5.0)
+        self.arena = self.c.shared_array(1 << 20)
+        self.off = 0
+
+    def tearDown(self):
+        self.c.close()
+
+    def seq(self, T):
+        x = rand_seq(self.rng, T, H)
+        placed, self.off = place(self.arena, self.off, x)
+        return x, placed
+
+    def test_feature(self):
+        self.assertIn("prefill.semaphores", self.c.hello()["features"])
+
+    def test_waits_for_ready_then_equals_prefill(self):
+        x, placed = self.seq(40)
+        s, ref_slot = self.c.alloc_slots(2)
+        h = self.c.prefill_on_stream("O", [dict(placed, slot=s, expect_pos=0)], None)
+        time.sleep(0.1)
+        self.assertFalse(h.done())
+        self.assertEqual(h.done_word(), 0)
+        info, = self.c.slot_info(s)
+        self.assertEqual((info["pos"], info["queued"]), (0, 1))   # admitted, gated
+        h.set_ready()
+        res = h.result(timeout=30)
+        self.assertTrue(h.done())
+        self.assertEqual(h.done_word(), 1)
+        self.assertEqual(res[0]["pos"], 40)
+        self.assertIs(res[0]["out"], placed["out"])
+        self.assertGreater(h.timings["run_us"], 0)
+        ref = self.c.prefill("O", [dict(x, slot=ref_slot)])[0]["out"]
+        np.testing.assert_array_equal(placed["out"], ref)
+        np.testing.assert_array_equal(self.c.read_slot(s), self.c.read_slot(ref_slot))
+
+    def test_chained_layers_in_flight(self):
+        """Eight requests on one slot sent up front, each set ready in turn from another
+        thread: they run in order, each continuing the last."""
+        s, ref_slot = self.c.alloc_slots(2)
+        chunks = [self.seq(8) for _ in range(8)]
+        hs = [self.c.prefill_on_stream("O", [dict(p, slot=s, expect_pos=8 * i)], None)
+              for i, (_, p) in enumerate(chunks)]
+        t = threading.Thread(target=lambda: [h.set_ready() for h in reversed(hs)])
+        t.start()
+        t.join()
+        for i, h in enumerate(hs):
+            self.assertEqual(h.result(timeout=30)[0]["pos"], 8 * (i + 1))
+        for x, p in chunks:
+            ref = self.c.prefill("O", [dict(x, slot=ref_slot)])[0]["out"]
+            np.testing.assert_array_equal(p["out"], ref)
+
+    def test_failure_sets_the_bit_and_raises(self):
+        _, placed = self.seq(4)
+        s, = self.c.alloc_slots(1)
+        h = self.c.prefill_on_stream("O", [dict(placed, slot=s, expect_pos=3)], None)
+        h.set_ready()
+        with self.assertRaises(kdaclient.PositionMismatch):
+            h.result(timeout=30)
+        self.assertEqual(h.done_word(), -1)
+        self.assertIsNone(h.timings)
+        h2 = self.c.prefill_on_stream("nope", [dict(placed, slot=s)], None)
+        with self.assertRaises(kdaclient.UnknownLayer):
+            h2.result(timeout=30)
+        self.assertEqual(h2.done_word(), -1)
+        # the slot serves on: a request after the failed ones runs
+        h3 = self.c.prefill_on_stream("O", [dict(placed, slot=s, expect_pos=0)], None)
+        h3.set_ready()
+        self.assertEqual(h3.result(timeout=30)[0]["pos"], 4)
+
+    def test_ready_timeout(self):
+        _, placed = self.seq(4)
+        s, = self.c.alloc_slots(1)
+        h = self.c.prefill_on_stream("O", [dict(placed, slot=s)], None)
+        with self.assertRaises(TimeoutError):
+            h.result(timeout=0.05)
+        with self.assertRaises(kdaclient.ReadyTimeout) as cm:
+            h.result(timeout=30)
+        self.assertEqual(cm.exception.code, -23)
+        self.assertEqual(h.done_word(), -1)
+        self.assertEqual(self.c.slot_info(s)[0]["pos"], 0)
+
+    def test_asyncio_completes_the_handle(self):
+        _, placed = self.seq(6)
+        s, = self.c.alloc_slots(1)
+
+        async def run():
+            async with kdaclient.AsyncClient(self.c) as ac:
+                h = ac.prefill_on_stream("O", [dict(placed, slot=s)], None)
+                h.set_ready()
+                for _ in range(3000):
+                    if h._finished:
+                        return h.result()
+                    await asyncio.sleep(0.01)
+        self.assertEqual(asyncio.run(run())[0]["pos"], 6)
+
+    def test_refused(self):
+        x, placed = self.seq(4)
+        s, = self.c.alloc_slots(1)
+        with self.assertRaisesRegex(ValueError, r"seqs\[0\]\.q: .*host memory outside "
+                                                r"shared_array"):
+            self.c.prefill_on_stream("O", [dict(x, slot=s)], None)
+        no_out = {n: placed[n] for n in FIELDS}
+        with self.assertRaisesRegex(ValueError, r"seqs\[0\]\.out: missing, or"):
+            self.c.prefill_on_stream("O", [dict(no_out, slot=s)], None)
+        with self.assertRaisesRegex(TypeError, "not a CUDA stream"):
+            self.c.prefill_on_stream("O", [dict(placed, slot=s)], "stream")
+        h = self.c.prefill_on_stream("O", [dict(placed, slot=s)], None)
+        h.set_ready()
+        h.result(timeout=30)
+        h.set_ready()                  # again, after completion: harmless
+        self.assertEqual(self.c.slot_info(s)[0]["pos"], 4)
+
+
+class OrderedDisconnectTest(unittest.TestCase):
+    def test_daemon_dies(self):
+        """kdad killed with a request waiting for its ready word: result() raises
+        Disconnected and the done word carries the failure bit (libkdaclient wrote it)."""
+        d = Daemon(heads=H).start()
+        try:
+            c = d.connect()
+            rng = np.random.default_rng(17)
+            c.register_layer("O", *rand_layer(rng, H), -5.0)
+            arena = c.shared_array(1 << 16)
+            placed, _ = place(arena, 0, rand_seq(rng, 4, H))
+            s, = c.alloc_slots(1)
+            h = c.prefill_on_stream("O", [dict(placed, slot=s)], None)
+            d.proc.kill()
+            d.proc.wait()
+            with self.assertRaises(kdaclient.Disconnected):
+                h.result(timeout=30)
+            self.assertEqual(h.done_word(), -1)
+            c.close()
+        finally:
+            d.stop(check=False)
+
+    def test_close_cancels(self):
+        d = Daemon(heads=H).start()
+        try:
+            c = d.connect()
+            rng = np.random.default_rng(19)
+            c.register_layer("O", *rand_layer(rng, H), -5.0)
+            arena = c.shared_array(1 << 16)
+            placed, _ = place(arena, 0, rand_seq(rng, 4, H))
+            s, = c.alloc_slots(1)
+            h = c.prefill_on_stream("O", [dict(placed, slot=s)], None)
+            c.close()
+            with self.assertRaises(kdaclient.Canceled):
+                h.result()
+        finally:
+            d.stop()
+
+
+if __name__ == "__main__":
+    unittest.main()
