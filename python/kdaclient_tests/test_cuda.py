@@ -6,12 +6,15 @@ built with CUDA; skipped otherwise).
 Checks: no host copy of the tensor data (the daemon's transport counters: everything on
 cuda_ipc, nothing inline or through shared memory), results bit-equal to the host path,
 registrations cached per allocation and given back when the allocation goes, the region
-budget, slot read/write into device memory, expandable segments (VMM, posix_fd regions), and
-the H = 32, 8192-token prefill end to end against the kernel time.
+budget, slot read/write into device memory, expandable segments (VMM, posix_fd regions),
+decode steps with states kept in device memory and a draft rolled back from them, prefills
+ordered by a PyTorch stream (the host not waiting; a failure releasing the stream), and the
+H = 32, 8192-token prefill end to end against the kernel time.
 """
 import os
 import subprocess
 import sys
+import threading
 import time
 import unittest
 
@@ -182,6 +185,139 @@ class CudaTest(unittest.TestCase):
                            timeout=300)
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("VMM OK", p.stdout)
+
+
+@unittest.skipUnless(HAVE_CUDA, SKIP)
+class CudaStepStreamTest(unittest.TestCase):
+    """Decode steps with CUDA tensors (states kept in device memory, a draft rolled back from
+    them), and prefills ordered by a PyTorch stream (prefill_on_stream)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.d = Daemon(heads=H, backend="cuda").start()
+        cls.rng = np.random.default_rng(23)
+        cls.layer = rand_layer(cls.rng, H)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.d.stop()
+
+    def setUp(self):
+        self.c = self.d.connect()
+        self.c.register_layer("T", *self.layer, -5.0)
+
+    def tearDown(self):
+        self.c.close()
+
+    def primed(self, n, sets, prompt=7):
+        """`sets` lists of n slots, list j's slot i holding sequence i's prompt state."""
+        xs = [rand_seq(self.rng, prompt, H) for _ in range(n)]
+        out = []
+        for _ in range(sets):
+            slots = self.c.alloc_slots(n)
+            self.c.prefill("T", [dict(x, slot=s) for x, s in zip(xs, slots)])
+            out.append(slots)
+        return out
+
+    def test_step_cuda_tensors_states_and_rollback(self):
+        """A draft of k = 3 tokens for 4 sequences from CUDA tensors with the states kept in
+        a CUDA tensor: outputs and states equal the host path's bit for bit, nothing moves
+        inline or through shared memory, and writing state j - 1 back from device memory
+        leaves each slot as a step of the j accepted tokens does."""
+        k, n = 3, 4
+        T = k * n
+        a, b, c_ = self.primed(n, 3)
+        x = rand_seq(self.rng, T, H)
+        dx = to_cuda(x)
+        f32 = self.c.hello()["state_dtype"] == "f32"
+        states = torch.empty((T, H, 128, 128), dtype=torch.float32 if f32 else torch.int16,
+                             device="cuda")
+        out = torch.empty((T, H, 128), dtype=torch.bfloat16, device="cuda")
+        before = self.c.stats()["transport_bytes"]
+        res = self.c.step("T", a, dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], lens=k,
+                          out=out, states=states, expect_pos=[7] * n)
+        after = self.c.stats()["transport_bytes"]
+        self.assertEqual(res["pos"], [7 + k] * n)
+        self.assertIs(res["out"], out)
+        self.assertIs(res["states"], states)
+        for tr in ("inline", "shm"):
+            self.assertEqual(after[tr], before[tr], tr)
+        ref = self.c.step("T", b, x["q"], x["k"], x["v"], x["g"], x["beta"], lens=k,
+                          states=True)
+        np.testing.assert_array_equal(host_bits(out), ref["out"])
+        got = states.cpu().numpy()
+        np.testing.assert_array_equal(got if f32 else got.view(np.uint16), ref["states"])
+        # sequence i accepts j = i % k + 1 tokens: state start + j - 1 back, from the GPU
+        lens = [i % k + 1 for i in range(n)]
+        for i, s in enumerate(a):
+            self.c.write_slot(s, states[i * k + lens[i] - 1], pos=7 + lens[i])
+        acc = {f: np.concatenate([x[f][i * k:i * k + lens[i]] for i in range(n)])
+               for f in ("q", "k", "v", "g", "beta")}
+        self.c.step("T", c_, acc["q"], acc["k"], acc["v"], acc["g"], acc["beta"], lens=lens)
+        for sa, sc in zip(a, c_):
+            ga, pa = self.c.read_slot(sa, with_pos=True)
+            gc, pc = self.c.read_slot(sc, with_pos=True)
+            self.assertEqual(pa, pc)
+            np.testing.assert_array_equal(ga, gc)
+
+    def test_prefill_on_stream(self):
+        """Inputs produced on a busy stream, the prefill ordered by it, the output consumed
+        on it: the call returns before the stream reaches the ready store, and the consumer
+        reads the daemon's output, equal to the host path's."""
+        T = 64
+        x = rand_seq(self.rng, T, H)
+        s, ref_slot = self.c.alloc_slots(2)
+        host = {n: torch.from_numpy(a.view(np.int16)).pin_memory() for n, a in x.items()}
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            dx = {n: torch.empty(t.shape, dtype=torch.int16, device="cuda")
+                  for n, t in host.items()}
+            out = torch.zeros((T, H, 128), dtype=torch.int16, device="cuda")
+        # a first round registers the allocations and the words (round trips to the daemon)
+        warm, = self.c.alloc_slots(1)
+        self.c.prefill_on_stream("T", [dict(dx, slot=warm, out=out)], stream).result(60)
+        stream.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1_000_000_000)            # keeps the stream busy (~0.5 s)
+            for n, t in dx.items():
+                t.copy_(host[n], non_blocking=True)      # the producer
+            t0 = time.perf_counter()
+            h = self.c.prefill_on_stream("T", [dict(dx, slot=s, out=out, expect_pos=0)],
+                                         stream)
+            call_s = time.perf_counter() - t0
+            early = h.done()
+            consumed = out.clone()                       # runs after the done wait
+        res = h.result(timeout=60)
+        stream.synchronize()
+        self.assertFalse(early)
+        self.assertLess(call_s, 0.1)
+        self.assertEqual(res[0]["pos"], T)
+        self.assertEqual(h.done_word(), 1)
+        ref = self.c.prefill("T", [dict(x, slot=ref_slot)])[0]["out"]
+        np.testing.assert_array_equal(consumed.cpu().numpy().view(np.uint16), ref)
+        print("\nprefill_on_stream: the call took %.0f us; daemon run %d us"
+              % (call_s * 1e6, h.timings["run_us"]), file=sys.stderr)
+
+    def test_stream_released_on_failure(self):
+        """A request that fails (expect_pos) releases the stream's wait with the failure bit:
+        the stream finishes, and result() raises PositionMismatch.  A stream given as an int
+        cudaStream_t."""
+        T = 8
+        dx = to_cuda(rand_seq(self.rng, T, H))
+        s, = self.c.alloc_slots(1)
+        out = torch.empty((T, H, 128), dtype=torch.bfloat16, device="cuda")
+        stream = torch.cuda.Stream()
+        h = self.c.prefill_on_stream("T", [dict(dx, slot=s, out=out, expect_pos=5)],
+                                     stream.cuda_stream)
+        with self.assertRaises(kdaclient.PositionMismatch):
+            h.result(timeout=60)
+        done = []
+        t = threading.Thread(target=lambda: (stream.synchronize(), done.append(1)))
+        t.start()
+        t.join(60)
+        self.assertEqual(done, [1], "the stream still waits on the done word")
+        self.assertEqual(h.done_word(), -1)
+        self.assertEqual(self.c.slot_info(s)[0]["pos"], 0)
 
 
 @unittest.skipUnless(HAVE_CUDA, SKIP)
