@@ -215,24 +215,33 @@ class StreamPrefill:
         self._c = client
         self._finished = False
         self._result = self._exc = None
+        self._last_word = 0
         self.timings = None
         """The daemon's times of the request (as ``Client.last_timings``) once it succeeded."""
 
     def _complete(self, result, exc, timings):
         self._result, self._exc, self.timings = result, exc, timings
+        self._last_word = self._c._done_word(self._pair, self._value)
         self._finished = True
 
     def set_ready(self):
         """Writes the ready word from the host (``stream=None`` only): call it once the
-        request's inputs are written.  Any thread may call it."""
+        request's inputs are written.  Any thread may call it; after completion it does
+        nothing."""
         if not self._host:
             raise ValueError("set_ready: this prefill's stream writes its ready word")
-        self._c._set_ready(self._pair, self._value)
+        if not self._finished:
+            self._c._set_ready(self._pair, self._value)
 
     def done_word(self):
         """The done word as the host sees it: 0 not yet, 1 done, -1 failed (a word in shared
         memory; on a GPU the daemon may write it after its response)."""
-        return self._c._done_word(self._pair, self._value)
+        if self._c.closed:
+            return self._last_word           # as it was when the response came
+        w = self._c._done_word(self._pair, self._value)
+        if self._finished and self._exc is None:
+            w = 1 if w else 0                # the pair may serve a later request by now
+        return w
 
     def done(self):
         """True once the response arrived (reads what the socket holds, without waiting)."""
@@ -254,7 +263,8 @@ class StreamPrefill:
             left = -1.0 if end is None else end - time.monotonic()
             if end is not None and left <= 0:
                 raise TimeoutError("the stream-ordered prefill has not completed")
-            self._c._wait(left)
+            if self._c._wait(left) != 0 and not self._finished:
+                raise Disconnected("the connection failed", -102, True)
         if self._exc is not None:
             raise self._exc
         return self._result

@@ -192,6 +192,7 @@ class OrderedDisconnectTest(unittest.TestCase):
             c.close()
             with self.assertRaises(kdaclient.Canceled):
                 h.result()
+            self.assertEqual(h.done_word(), -1)      # libkdaclient wrote the failure bit
         finally:
             d.stop()
 

@@ -162,7 +162,9 @@ fail:
 static words *words_of(ClientObject *self, int pair)
 {
     if (!self->words || pair < 0 || pair >= KP_WORD_PAIRS) {
-        PyErr_SetString(PyExc_ValueError, "no such semaphore pair");
+        PyErr_SetString(PyExc_ValueError, self->words ? "no such semaphore pair"
+                                                      : "the client has no semaphore words "
+                                                        "(closed, or none taken yet)");
         return NULL;
     }
     return self->words;
