@@ -195,7 +195,8 @@ def _stream_handle(stream):
     if stream is None or isinstance(stream, int):
         return stream
     if hasattr(stream, "__cuda_stream__"):   # the CUDA stream protocol: (version, handle)
-        return int(stream.__cuda_stream__()[1])
+        v = stream.__cuda_stream__
+        return int((v() if callable(v) else v)[1])
     for attr in ("cuda_stream", "ptr"):      # torch.cuda.Stream, cupy.cuda.Stream
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
