@@ -261,10 +261,12 @@ class StreamPrefill:
         while not self._finished:
             if self._c.closed:
                 raise Canceled("the client was closed", -104, False)
-            left = -1.0 if end is None else end - time.monotonic()
-            if end is not None and left <= 0:
+            left = 0.1 if end is None else end - time.monotonic()
+            if left <= 0:
                 raise TimeoutError("the stream-ordered prefill has not completed")
-            if self._c._wait(left) != 0 and not self._finished:
+            # at most 0.1 s per wait: another thread's call (or an AsyncClient) may take the
+            # response off the socket and complete this handle meanwhile
+            if self._c._wait(min(left, 0.1)) != 0 and not self._finished:
                 raise Disconnected("the connection failed", -102, True)
         if self._exc is not None:
             raise self._exc

@@ -200,9 +200,8 @@ PyObject *kp_client_done_word(PyObject *o, PyObject *args)
     return PyLong_FromLong(kdac_sem_check(&done));
 }
 
-/* _wait(timeout): waits up to timeout seconds (negative: without a bound) for the
- * connection's socket, with the GIL and the lock released, then completes what arrived;
- * returns kdac_client_progress's code. */
+/* _wait(timeout): waits up to timeout seconds for the connection's socket, with the GIL and
+ * the lock released, then completes what arrived; returns kdac_client_progress's code. */
 PyObject *kp_client_wait(PyObject *o, PyObject *args)
 {
     ClientObject *self = (ClientObject *)o;
@@ -216,7 +215,7 @@ PyObject *kp_client_wait(PyObject *o, PyObject *args)
         p.events |= POLLIN;
     if (ev & KDAC_WRITABLE)
         p.events |= POLLOUT;
-    int ms = timeout < 0 ? -1 : timeout > 3600 ? 3600000 : (int)(timeout * 1000);
+    int ms = !(timeout > 0) ? 0 : timeout > 3600 ? 3600000 : (int)(timeout * 1000);
     kp_unlock(self); /* other threads may call meanwhile */
     if (ev)
         KP_NOGIL(poll(&p, 1, ms));
