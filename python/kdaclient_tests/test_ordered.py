@@ -95,6 +95,22 @@ class OrderedTest(unittest.TestCase):
             ref = self.c.prefill("O", [dict(x, slot=ref_slot)])[0]["out"]
             np.testing.assert_array_equal(p["out"], ref)
 
+    def test_completed_by_another_call(self):
+        """A thread waiting in result() while this thread's blocking calls take the response
+        off the socket: the waiter still returns."""
+        x, placed = self.seq(16)
+        s, other = self.c.alloc_slots(2)
+        h = self.c.prefill_on_stream("O", [dict(placed, slot=s)], None)
+        got = []
+        t = threading.Thread(target=lambda: got.append(h.result(timeout=30)))
+        t.start()
+        h.set_ready()
+        for _ in range(20):
+            self.c.prefill("O", [dict(x, slot=other, fresh=True)])
+        t.join(30)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(got[0][0]["pos"], 16)
+
     def test_failure_sets_the_bit_and_raises(self):
         _, placed = self.seq(4)
         s, = self.c.alloc_slots(1)
