@@ -215,7 +215,8 @@ int kp_check_open(ClientObject *self);
 uint64_t *kp_handle_list(PyObject *h, uint32_t *n);
 /* The completion of a non-blocking prefill (r->callback gets the outcome). */
 void kp_prefill_done(kdac_client *c, void *data, const kdac_result *res, int status);
-/* Calls cb(result, exc, timings) as a completion callback of self, then lets go of it. */
+/* Calls cb(result, exc, timings) as a completion callback of self; takes the references to
+ * result and exc. */
 void kp_complete(ClientObject *self, PyObject *cb, PyObject *result, PyObject *exc);
 /* Records a completed call's timings (last_timings). */
 void kp_set_timings(ClientObject *self, uint64_t queue, uint64_t run, uint64_t device,
