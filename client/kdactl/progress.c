@@ -65,9 +65,12 @@ void progress_io(progress *p, uint64_t sent, uint64_t received)
 {
     if (p->send_total) {
         /* The phase: the request still leaving, the daemon working on it, the answer coming. */
-        p->label = sent < p->send_total ? "prefill send   "
-                   : received == 0      ? "prefill run    "
-                                        : "prefill receive";
+        const char *label = sent < p->send_total ? "prefill send   "
+                            : received == 0      ? "prefill run    "
+                                                 : "prefill receive";
+        if (label != p->label)
+            p->last = 0; /* a new phase is drawn at once, however soon it follows the last */
+        p->label = label;
     }
     progress_update(p, sent + received);
 }
