@@ -3,11 +3,11 @@
  * PERF-ANCHORS.md and the H = 96 length sweep.
  *
  *   bench_kernel [--reps N] [--json FILE] [--only NAME]... [--pairing off] [--split off|always]
- *                [--decode] [--step-warps 4|8] [--step-ahead W]
+ *                [--decode] [--step-warps 4|8] [--step-ahead P]
  *
  * --decode runs only the decode-step rows (kda_cuda_step; run_decode);
  * --step-warps launches the step kernel with that many warps per CTA, --step-ahead
- * with each CTA prefetching the bytes of the CTA W waves after it (0: none).
+ * with each CTA prefetching the bytes of the CTA P% of a wave after it (0: none).
  *
  * Per workload: random N(0,1) bf16 inputs (never zeros), A_log, dt_bias ~
  * U(0,1), lower_bound -5, fp32 state pool; sequences sorted longest first;
@@ -287,11 +287,11 @@ static DecodeResult run_decode(const DecodeWorkload &w, kda_cuda *cu, int reps, 
     int32_t *dn;
     gpu_upload_table(pseqs.data(), N, &dpseqs, &dn);
 
+    const int warps = step_warps ? step_warps : 4, ahead = step_ahead >= 0 ? step_ahead : KDA_STEP_AHEAD_PERCENT;
     auto launch = [&]() {
         if (step_warps || step_ahead >= 0)   /* a forced CTA size or prefetch distance */
-            GPU_CHECK(kda_step_launch(&pool, dstep, N, step_warps ? step_warps : 4,
-                                      step_ahead >= 0 ? step_ahead : KDA_STEP_AHEAD_WAVES, kda_cuda_sm_count(cu),
-                                      nullptr));
+            GPU_CHECK(kda_step_launch(&pool, dstep, N, warps,
+                                      kda_step_ahead_ctas(ahead, warps, kda_cuda_sm_count(cu)), nullptr));
         else if (kda_cuda_step(cu, &pool, dstep, N, nullptr, &err) != KDA_OK) {
             fprintf(stderr, "%s: %s\n", w.name.c_str(), err.msg);
             exit(1);
@@ -375,7 +375,8 @@ int main(int argc, char **argv)
             decode_only = true;
         else if (!strcmp(argv[i], "--step-warps") && i + 1 < argc && (atoi(argv[i + 1]) == 4 || atoi(argv[i + 1]) == 8))
             step_warps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--step-ahead") && i + 1 < argc && atoi(argv[i + 1]) >= 0 && atoi(argv[i + 1]) <= 8)
+        else if (!strcmp(argv[i], "--step-ahead") && i + 1 < argc && atoi(argv[i + 1]) >= 0 &&
+                 atoi(argv[i + 1]) <= 400)
             step_ahead = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--pairing") && i + 1 < argc && !strcmp(argv[i + 1], "off")) {
             pairing = KDA_CUDA_PAIRING_OFF;
@@ -385,7 +386,7 @@ int main(int argc, char **argv)
             split = !strcmp(argv[++i], "off") ? KDA_CUDA_SPLIT_OFF : KDA_CUDA_SPLIT_ALWAYS;
         } else {
             fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME]... [--pairing off] [--split off|always]"
-                            " [--decode] [--step-warps 4|8] [--step-ahead W]\n", argv[0]);
+                            " [--decode] [--step-warps 4|8] [--step-ahead P]\n", argv[0]);
             return 2;
         }
     }

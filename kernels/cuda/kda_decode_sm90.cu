@@ -372,14 +372,17 @@ extern "C" int kda_cuda_step_check(const kda_pool *pool, const kda_step *step, k
     return KDA_OK;
 }
 
+int32_t kda_step_ahead_ctas(int percent, int warps, int sm_count)
+{
+    return int32_t(int64_t(percent) * sm_count * (16 / warps) / 100);
+}
+
 cudaError_t kda_step_launch(const kda_pool *pool, const kda_step *step_dev, int32_t max_seqs, int warps,
-                            int ahead_waves, int sm_count, cudaStream_t stream)
+                            int32_t ahead, cudaStream_t stream)
 {
     using namespace kda_step_kernel;
     const unsigned seq_heads = unsigned(int64_t(max_seqs) * pool->heads);
     const bool bf16 = pool->dtype == KDA_DTYPE_BF16;
-    /* a wave: the CTAs resident at once at the launch bounds' occupancy (16 / warps per SM) */
-    const int32_t ahead = ahead_waves * sm_count * (16 / warps);
     if (warps == 4 && bf16)
         step_kernel<true, 4><<<2 * seq_heads, 128, 0, stream>>>(step_dev, pool->state, pool->heads, ahead);
     else if (warps == 4)
@@ -405,7 +408,8 @@ extern "C" int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_ste
                         pool->heads);
     if (max_seqs == 0)
         return KDA_OK;
-    const cudaError_t e = kda_step_launch(pool, step_dev, max_seqs, STEP_WARPS, KDA_STEP_AHEAD_WAVES,
-                                          kda_cuda_sm_count(cuda), static_cast<cudaStream_t>(stream));
+    const int32_t ahead = kda_step_ahead_ctas(KDA_STEP_AHEAD_PERCENT, STEP_WARPS, kda_cuda_sm_count(cuda));
+    const cudaError_t e =
+        kda_step_launch(pool, step_dev, max_seqs, STEP_WARPS, ahead, static_cast<cudaStream_t>(stream));
     return e == cudaSuccess ? KDA_OK : kda_fail(err, KDA_EDEVICE, "launching the step kernel: %s", cudaGetErrorString(e));
 }
