@@ -30,6 +30,13 @@
  * The slot is written once, after the last token.  Every input a CTA reads
  * is in device memory and read when it runs, so a launch captured in a CUDA
  * Graph replays with new steps.
+ *
+ * The registers hold one state per CTA, so on their own they keep too few
+ * bytes in flight (a bf16 pool: at most 64 KiB per SM, and nothing of a
+ * CTA's while it computes).  So each CTA also asks the L2 for the state and
+ * token rows of the CTA half a wave after it (prefetch_item;
+ * KDA_STEP_AHEAD_PERCENT): the HBM streams while CTAs compute, and a CTA's
+ * own loads mostly hit the L2.
  */
 #include "kda_decode_sm90.h"
 
@@ -210,7 +217,7 @@ __device__ __forceinline__ void store_out(uint16_t *out_row, int warp, int half,
 }
 
 /*
- * The L2 prefetch of CTA `item`'s bytes (a CTA about a wave ahead of the caller): its slot's rows (one
+ * The L2 prefetch of CTA `item`'s bytes (a CTA part of a wave after the caller): its slot's rows (one
  * contiguous piece: 16 * WARPS rows of 128) and, from the first part of a (sequence, head), the token
  * rows.  One warp issues it after its own loads; the state then reaches the later CTA from the L2,
  * so the HBM keeps streaming while CTAs compute, not only while their registers wait.

@@ -10,7 +10,7 @@
 
 /* How far ahead, in percent of a wave (the CTAs resident at once), the CTA lies whose state and token
    rows a CTA of kda_cuda_step prefetches into the L2 (bench_kernel --step-ahead compares others). */
-#define KDA_STEP_AHEAD_PERCENT 100
+#define KDA_STEP_AHEAD_PERCENT 50
 
 /* CTAs in `percent` % of a wave of step CTAs of `warps` warps: sm_count x 16 / warps at the launch
    bounds' occupancy. */
