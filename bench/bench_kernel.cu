@@ -3,10 +3,11 @@
  * PERF-ANCHORS.md and the H = 96 length sweep.
  *
  *   bench_kernel [--reps N] [--json FILE] [--only NAME]... [--pairing off] [--split off|always]
- *                [--decode] [--step-warps 4|8]
+ *                [--decode] [--step-warps 4|8] [--step-ahead P]
  *
  * --decode runs only the decode-step rows (kda_cuda_step; run_decode);
- * --step-warps launches the step kernel with that many warps per CTA.
+ * --step-warps launches the step kernel with that many warps per CTA, --step-ahead
+ * with each CTA prefetching the bytes of the CTA P% of a wave after it (0: none).
  *
  * Per workload: random N(0,1) bf16 inputs (never zeros), A_log, dt_bias ~
  * U(0,1), lower_bound -5, fp32 state pool; sequences sorted longest first;
@@ -220,7 +221,7 @@ struct DecodeResult {
  * state) at the copy rate of a cudaMemcpy of the pool's state bytes timed here the same way.
  */
 static DecodeResult run_decode(const DecodeWorkload &w, kda_cuda *cu, int reps, void *flush, size_t flush_bytes,
-                               int step_warps)
+                               int step_warps, int step_ahead)
 {
     const int32_t H = w.heads, N = w.nseqs, T = w.nseqs * w.tokens;
     const size_t tok = size_t(T) * H * KDA_HEAD_DIM, esize = kda_dtype_size(w.dtype);
@@ -286,9 +287,11 @@ static DecodeResult run_decode(const DecodeWorkload &w, kda_cuda *cu, int reps, 
     int32_t *dn;
     gpu_upload_table(pseqs.data(), N, &dpseqs, &dn);
 
+    const int warps = step_warps ? step_warps : 4, ahead = step_ahead >= 0 ? step_ahead : KDA_STEP_AHEAD_PERCENT;
     auto launch = [&]() {
-        if (step_warps)   /* a forced CTA size */
-            GPU_CHECK(kda_step_launch(&pool, dstep, N, step_warps, nullptr));
+        if (step_warps || step_ahead >= 0)   /* a forced CTA size or prefetch distance */
+            GPU_CHECK(kda_step_launch(&pool, dstep, N, warps,
+                                      kda_step_ahead_ctas(ahead, warps, kda_cuda_sm_count(cu)), nullptr));
         else if (kda_cuda_step(cu, &pool, dstep, N, nullptr, &err) != KDA_OK) {
             fprintf(stderr, "%s: %s\n", w.name.c_str(), err.msg);
             exit(1);
@@ -360,7 +363,7 @@ int main(int argc, char **argv)
     const char *json = nullptr;
     std::vector<std::string> only;
     bool decode_only = false;
-    int step_warps = 0;
+    int step_warps = 0, step_ahead = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
@@ -372,6 +375,9 @@ int main(int argc, char **argv)
             decode_only = true;
         else if (!strcmp(argv[i], "--step-warps") && i + 1 < argc && (atoi(argv[i + 1]) == 4 || atoi(argv[i + 1]) == 8))
             step_warps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--step-ahead") && i + 1 < argc && atoi(argv[i + 1]) >= 0 &&
+                 atoi(argv[i + 1]) <= 400)
+            step_ahead = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--pairing") && i + 1 < argc && !strcmp(argv[i + 1], "off")) {
             pairing = KDA_CUDA_PAIRING_OFF;
             i++;
@@ -380,7 +386,7 @@ int main(int argc, char **argv)
             split = !strcmp(argv[++i], "off") ? KDA_CUDA_SPLIT_OFF : KDA_CUDA_SPLIT_ALWAYS;
         } else {
             fprintf(stderr, "usage: %s [--reps N] [--json FILE] [--only NAME]... [--pairing off] [--split off|always]"
-                            " [--decode] [--step-warps 4|8]\n", argv[0]);
+                            " [--decode] [--step-warps 4|8] [--step-ahead P]\n", argv[0]);
             return 2;
         }
     }
@@ -403,7 +409,7 @@ int main(int argc, char **argv)
     std::vector<DecodeResult> decode_results;
     for (const DecodeWorkload &w : decode_workloads())
         if (only.empty() || std::find(only.begin(), only.end(), w.name) != only.end())
-            decode_results.push_back(run_decode(w, cu, reps, flush, flush_bytes, step_warps));
+            decode_results.push_back(run_decode(w, cu, reps, flush, flush_bytes, step_warps, step_ahead));
 
     printf("\nkdad fused KDA kernel on %s (%d SMs), fp32 state pool, median of %d launches, L2 flushed; "
            "chains paired (a cluster of two CTAs each) %s; long chains cut %s\n",

@@ -151,10 +151,11 @@ int kda_seqs_from_packed(kda_seq *seqs, int64_t n, int32_t heads, const int64_t 
  * any longer sequence runs as a chunked prefill, whichever form its requests
  * came in (both kernels take the other's inputs: kda_seqs_from_packed turns
  * a step's packed tensors into prefill descriptors).  Measured on the H200
- * (bench/RESULTS.md, H = 32, 256 sequences, fp32 pool): the step kernel takes
- * 1.11x the state's bytes at 1 token, 1.24x at 4, 1.67x at 8 and 2.8x at 16,
- * the chunked kernel ~1.65x at any length up to 16; at 8 tokens they are
- * level (0.43 ms each), so the step wins below and the chunked form above.
+ * (bench/RESULTS.md, H = 32, 256 sequences, fp32 pool, v17): the step kernel
+ * takes 1.06x the state's bytes at 1 token, 1.13x at 4, 1.62x at 8 and 2.9x
+ * at 16, the chunked kernel 1.65-1.98x at any length up to 16 (v15's and
+ * v17's runs); at 8 tokens the step kernel is level with it or ahead (0.43
+ * against 0.43 ms, 0.42 against 0.51), at 16 behind, so the step runs up to 8.
  */
 #define KDA_STEP_CHOICE_TOKENS 8
 #define KDA_STEP_MAX_TOKENS 16

@@ -30,6 +30,13 @@
  * The slot is written once, after the last token.  Every input a CTA reads
  * is in device memory and read when it runs, so a launch captured in a CUDA
  * Graph replays with new steps.
+ *
+ * The registers hold one state per CTA, so on their own they keep too few
+ * bytes in flight (a bf16 pool: at most 64 KiB per SM, and nothing of a
+ * CTA's while it computes).  So each CTA also asks the L2 for the state and
+ * token rows of the CTA half a wave after it (prefetch_item;
+ * KDA_STEP_AHEAD_PERCENT): the HBM streams while CTAs compute, and a CTA's
+ * own loads mostly hit the L2.
  */
 #include "kda_decode_sm90.h"
 
@@ -73,6 +80,12 @@ __device__ __forceinline__ void cp_async_16(void *smem, const void *gmem)
 __device__ __forceinline__ void cp_async_wait_all()
 {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+/* Asks the L2 to fetch [gmem, gmem + bytes) (16-byte aligned, a multiple of 16); nothing waits for it. */
+__device__ __forceinline__ void prefetch_l2(const void *gmem, uint32_t bytes)
+{
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ float bf16_lo(uint32_t x) { return __uint_as_float(x << 16); }
@@ -203,15 +216,44 @@ __device__ __forceinline__ void store_out(uint16_t *out_row, int warp, int half,
         *reinterpret_cast<uint32_t *>(out_row + 16 * warp + l) = pack_bf16(o, o_next);
 }
 
+/*
+ * The L2 prefetch of CTA `item`'s bytes (a CTA part of a wave after the caller): its slot's rows (one
+ * contiguous piece: 16 * WARPS rows of 128) and, from the first part of a (sequence, head), the token
+ * rows.  One warp issues it after its own loads; the state then reaches the later CTA from the L2,
+ * so the HBM keeps streaming while CTAs compute, not only while their registers wait.
+ */
+template <bool BF16, int WARPS>
+__device__ __forceinline__ void prefetch_item(const kda_step *step, const void *pool, int heads, int nseqs,
+                                              unsigned item, int lane)
+{
+    constexpr int PARTS = 8 / WARPS;
+    const int seq = item / PARTS / heads, head = item / PARTS % heads, part = item % PARTS;
+    if (seq >= nseqs)
+        return;
+    const kda_step_seq sq = step->seqs[seq];
+    if (sq.len < 1 || sq.len > MAXT)
+        return;
+    const size_t esize = BF16 ? 2 : 4, piece = size_t(16) * WARPS * D * esize;
+    if (lane == 0 && !(sq.flags & KDA_SEQ_ZERO_STATE))
+        prefetch_l2(static_cast<const char *>(pool) + (size_t(sq.slot) * heads + head) * D * D * esize + part * piece,
+                    uint32_t(piece));
+    for (int c = lane; part == 0 && c < 4 * sq.len; c += 32) {
+        const int t = c >> 2, which = c & 3;
+        const uint16_t *src = which == 0 ? step->q : which == 1 ? step->k : which == 2 ? step->g : step->v;
+        prefetch_l2(src + (size_t(sq.start + t) * heads + head) * D, 2 * D);
+    }
+}
+
 /* WARPS (4 or 8) warps per CTA: 8 / WARPS CTAs per (sequence, head), each holding 16 * WARPS state rows. */
 template <bool BF16, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)
-    step_kernel(const kda_step *__restrict__ step, void *__restrict__ pool, int32_t heads)
+    step_kernel(const kda_step *__restrict__ step, void *__restrict__ pool, int32_t heads, int32_t ahead)
 {
     constexpr int THREADS = 32 * WARPS, PARTS = 8 / WARPS;
     __shared__ Smem sm;
     const int part = blockIdx.x % PARTS, seq = blockIdx.x / PARTS / heads, head = blockIdx.x / PARTS % heads;
-    if (seq >= step->nseqs)
+    const int nseqs = step->nseqs;
+    if (seq >= nseqs)
         return;
     const kda_step_seq sq = step->seqs[seq];
     const int len = sq.len;
@@ -243,6 +285,8 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS)
     } else {
         load_state<BF16>(slot, row0, l, s);
     }
+    if (ahead > 0 && wl == WARPS - 1)
+        prefetch_item<BF16, WARPS>(step, pool, heads, nseqs, blockIdx.x + unsigned(ahead), lane);
 
     const kda_layer *layer = step->layer;
     const float expA = __expf(layer->A_log[head]), lb = layer->lower_bound, scale = layer->scale;
@@ -335,20 +379,25 @@ extern "C" int kda_cuda_step_check(const kda_pool *pool, const kda_step *step, k
     return KDA_OK;
 }
 
+int32_t kda_step_ahead_ctas(int percent, int warps, int sm_count)
+{
+    return int32_t(int64_t(percent) * sm_count * (16 / warps) / 100);
+}
+
 cudaError_t kda_step_launch(const kda_pool *pool, const kda_step *step_dev, int32_t max_seqs, int warps,
-                            cudaStream_t stream)
+                            int32_t ahead, cudaStream_t stream)
 {
     using namespace kda_step_kernel;
     const unsigned seq_heads = unsigned(int64_t(max_seqs) * pool->heads);
     const bool bf16 = pool->dtype == KDA_DTYPE_BF16;
     if (warps == 4 && bf16)
-        step_kernel<true, 4><<<2 * seq_heads, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<true, 4><<<2 * seq_heads, 128, 0, stream>>>(step_dev, pool->state, pool->heads, ahead);
     else if (warps == 4)
-        step_kernel<false, 4><<<2 * seq_heads, 128, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<false, 4><<<2 * seq_heads, 128, 0, stream>>>(step_dev, pool->state, pool->heads, ahead);
     else if (bf16)
-        step_kernel<true, 8><<<seq_heads, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<true, 8><<<seq_heads, 256, 0, stream>>>(step_dev, pool->state, pool->heads, ahead);
     else
-        step_kernel<false, 8><<<seq_heads, 256, 0, stream>>>(step_dev, pool->state, pool->heads);
+        step_kernel<false, 8><<<seq_heads, 256, 0, stream>>>(step_dev, pool->state, pool->heads, ahead);
     return cudaGetLastError();
 }
 
@@ -366,6 +415,8 @@ extern "C" int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_ste
                         pool->heads);
     if (max_seqs == 0)
         return KDA_OK;
-    const cudaError_t e = kda_step_launch(pool, step_dev, max_seqs, STEP_WARPS, static_cast<cudaStream_t>(stream));
+    const int32_t ahead = kda_step_ahead_ctas(KDA_STEP_AHEAD_PERCENT, STEP_WARPS, kda_cuda_sm_count(cuda));
+    const cudaError_t e =
+        kda_step_launch(pool, step_dev, max_seqs, STEP_WARPS, ahead, static_cast<cudaStream_t>(stream));
     return e == cudaSuccess ? KDA_OK : kda_fail(err, KDA_EDEVICE, "launching the step kernel: %s", cudaGetErrorString(e));
 }
