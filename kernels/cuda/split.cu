@@ -105,7 +105,8 @@ __global__ void split_plan_kernel(const kda_fwd_params p, const kda_split_args a
     }
 }
 
-constexpr int SCAN_ROWS = 8;   /* state rows per CTA of the scan; a thread per column */
+constexpr int SCAN_ROWS = 8;     /* state rows per CTA of the scan; a thread per column */
+constexpr int SCAN_MROWS = 64;   /* rows of M staged in shared memory at once */
 
 /*
  * Block (sequence, head, 8 rows): the rows of S_0 (pool, or zeros), then
@@ -116,6 +117,7 @@ constexpr int SCAN_ROWS = 8;   /* state rows per CTA of the scan; a thread per c
 __global__ void __launch_bounds__(D) split_scan_kernel(const kda_fwd_params p, const kda_split_args a, float *scratch)
 {
     __shared__ float rows[SCAN_ROWS][D];
+    __shared__ __align__(16) float mp[SCAN_MROWS][D];
     constexpr int BLOCKS = D / SCAN_ROWS;
     const int32_t i = int32_t(blockIdx.x) / (p.heads * BLOCKS), h = int32_t(blockIdx.x / BLOCKS) % p.heads;
     const int r0 = int(blockIdx.x % BLOCKS) * SCAN_ROWS, c = int(threadIdx.x), U = a.max_seqs * a.segs;
@@ -150,16 +152,27 @@ __global__ void __launch_bounds__(D) split_scan_kernel(const kda_fwd_params p, c
         for (int r = 0; r < SCAN_ROWS; r++)
             rows[r][c] = s[r];
         __syncthreads();
-        const float *m = slot_at(U + u0 + j) + c, *rr = slot_at(u0 + j) + int64_t(r0) * D + c;
+        const float *m = slot_at(U + u0 + j), *rr = slot_at(u0 + j) + int64_t(r0) * D + c;
 #pragma unroll
         for (int r = 0; r < SCAN_ROWS; r++)
             s[r] = rr[r * D];
-#pragma unroll 8
-        for (int k = 0; k < D; k++) {
-            const float mk = m[k * D];
+        for (int k0 = 0; k0 < D; k0 += SCAN_MROWS) {     /* M in two pieces, each thread's loads in flight at once */
+            float4 x[SCAN_MROWS / 4];
 #pragma unroll
-            for (int r = 0; r < SCAN_ROWS; r++)
-                s[r] = fmaf(rows[r][k], mk, s[r]);
+            for (int q = 0; q < SCAN_MROWS / 4; q++)
+                x[q] = reinterpret_cast<const float4 *>(m + int64_t(k0) * D)[q * D + c];
+            __syncthreads();                       /* the previous piece's reads of `mp` are done */
+#pragma unroll
+            for (int q = 0; q < SCAN_MROWS / 4; q++)
+                reinterpret_cast<float4 *>(&mp[0][0])[q * D + c] = x[q];
+            __syncthreads();
+#pragma unroll 16
+            for (int k = 0; k < SCAN_MROWS; k++) {
+                const float mk = mp[k][c];
+#pragma unroll
+                for (int r = 0; r < SCAN_ROWS; r++)
+                    s[r] = fmaf(rows[r][k0 + k], mk, s[r]);
+            }
         }
         if (j + 1 == cut.nseg) {                   /* the sequence's final state */
 #pragma unroll
@@ -179,6 +192,7 @@ __global__ void __launch_bounds__(D) split_scan_kernel(const kda_fwd_params p, c
  * The correction: block (x, segment u x heads + h) takes the segment's 64-token tiles x, x + gridDim.x, ...;
  * warp w the tile's tokens 16w .. 16w + 15.  o (16 x 128) = o0 + qeff (16 x 128) . S_in^T by bf16 tensor-core
  * products with fp32 sums (S_in as bf16, as the fused kernel's state operand), 64 state rows at a time.
+ * Memory-bound: each warp loads its next tile's qeff and o0 rows while it computes the current one.
  */
 constexpr int CORR_TOKENS = 64, CORR_WARPS = CORR_TOKENS / 16, CORR_LD = D + 8, ACC_LD = 64 + 4;   /* padded rows */
 struct CorrWarp {
@@ -190,8 +204,30 @@ struct CorrSmem {
     CorrWarp warp[CORR_WARPS];
 };
 
-__global__ void __launch_bounds__(32 * CORR_WARPS) split_correct_kernel(const kda_fwd_params p, int32_t units,
-                                                                        const kda_seq *table, const float *scratch)
+/* A warp's 16 tokens in registers: qeff row 2i + lane / 16 at columns 8 (lane % 16) (q[i]); o0 row
+   lane / 8 + 4i at columns 64 half + 8 (lane % 8) (o[4 half + i]).  Rows past the segment read as zero. */
+struct CorrRows {
+    uint4 q[8], o[8];
+};
+__device__ __forceinline__ void corr_load(CorrRows &x, const uint16_t *qeff, const uint16_t *out, int64_t t0,
+                                          int64_t rows, int64_t stride, int lane)
+{
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int row = 2 * i + (lane >> 4);
+        x.q[i] = row < rows ? *reinterpret_cast<const uint4 *>(qeff + (t0 + row) * stride + (lane & 15) * 8)
+                            : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int row = (lane >> 3) + 4 * (i % 4);
+        x.o[i] = row < rows ? *reinterpret_cast<const uint4 *>(out + (t0 + row) * stride + 64 * (i / 4) + (lane & 7) * 8)
+                            : make_uint4(0, 0, 0, 0);
+    }
+}
+
+__global__ void __launch_bounds__(32 * CORR_WARPS, 2) split_correct_kernel(const kda_fwd_params p, int32_t units,
+                                                                           const kda_seq *table, const float *scratch)
 {
     using namespace nvcuda;
     extern __shared__ __align__(128) unsigned char corr_smem[];
@@ -200,6 +236,15 @@ __global__ void __launch_bounds__(32 * CORR_WARPS) split_correct_kernel(const kd
     const kda_seq r = table[u], m = table[units + u];
     if (!r.out || r.len <= 0)                     /* not corrected (recomputed, not cut, or unused) */
         return;
+    const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+    const int64_t stride = int64_t(p.heads) * D, step = int64_t(gridDim.x) * CORR_TOKENS;
+    uint16_t *out = r.out + int64_t(h) * D;
+    const uint16_t *qeff = m.out + int64_t(h) * D;
+    const auto rows_at = [&](int64_t t0) { return r.len - t0 < 16 ? r.len - t0 : int64_t(16); };
+    int64_t t0 = int64_t(blockIdx.x) * CORR_TOKENS + 16 * warp;
+    CorrRows cur, next;
+    if (t0 < r.len)
+        corr_load(cur, qeff, out, t0, rows_at(t0), stride, lane);
     const float *s_in = scratch + (int64_t(2 * units + u) * p.heads + h) * int64_t(D * D);
     for (int i = int(threadIdx.x); i < D * D / 4; i += blockDim.x) {
         const float4 x = reinterpret_cast<const float4 *>(s_in)[i];
@@ -207,27 +252,19 @@ __global__ void __launch_bounds__(32 * CORR_WARPS) split_correct_kernel(const kd
         *reinterpret_cast<uint2 *>(&sm.s[v][k]) = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
     }
     __syncthreads();
-    const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
     CorrWarp &w = sm.warp[warp];
-    const int64_t stride = int64_t(p.heads) * D;
-    uint16_t *out = r.out + int64_t(h) * D;
-    const uint16_t *qeff = m.out + int64_t(h) * D;
-    for (int64_t t0 = int64_t(blockIdx.x) * CORR_TOKENS + 16 * warp; t0 < r.len;
-         t0 += int64_t(gridDim.x) * CORR_TOKENS) {
-        const int64_t rows = r.len - t0 < 16 ? r.len - t0 : 16;
+    for (; t0 < r.len; t0 += step) {
+        const int64_t rows = rows_at(t0);
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int row = 2 * i + (lane >> 4), col = (lane & 15) * 8;
-            uint4 x = make_uint4(0, 0, 0, 0);
-            if (row < rows)
-                x = *reinterpret_cast<const uint4 *>(qeff + (t0 + row) * stride + col);
-            *reinterpret_cast<uint4 *>(&w.a[row][col]) = x;
-        }
+        for (int i = 0; i < 8; i++)
+            *reinterpret_cast<uint4 *>(&w.a[2 * i + (lane >> 4)][(lane & 15) * 8]) = cur.q[i];
         __syncwarp();
         wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[D / 16];
 #pragma unroll
         for (int ks = 0; ks < D / 16; ks++)
             wmma::load_matrix_sync(fa[ks], reinterpret_cast<const __nv_bfloat16 *>(&w.a[0][16 * ks]), CORR_LD);
+        if (t0 + step < r.len)
+            corr_load(next, qeff, out, t0 + step, rows_at(t0 + step), stride, lane);
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc[4];
@@ -252,17 +289,18 @@ __global__ void __launch_bounds__(32 * CORR_WARPS) split_correct_kernel(const kd
             for (int i = 0; i < 4; i++) {
                 const int row = (lane >> 3) + 4 * i, col = (lane & 7) * 8;
                 if (row < rows) {
-                    uint4 *o = reinterpret_cast<uint4 *>(out + (t0 + row) * stride + 64 * half + col);
-                    const uint4 x = *o;
+                    const uint4 x = cur.o[4 * half + i];
                     const float *c = &w.acc[row][col];
-                    *o = make_uint4(pack_bf16x2(bf16_lo(x.x) + c[0], bf16_hi(x.x) + c[1]),
-                                    pack_bf16x2(bf16_lo(x.y) + c[2], bf16_hi(x.y) + c[3]),
-                                    pack_bf16x2(bf16_lo(x.z) + c[4], bf16_hi(x.z) + c[5]),
-                                    pack_bf16x2(bf16_lo(x.w) + c[6], bf16_hi(x.w) + c[7]));
+                    *reinterpret_cast<uint4 *>(out + (t0 + row) * stride + 64 * half + col) =
+                        make_uint4(pack_bf16x2(bf16_lo(x.x) + c[0], bf16_hi(x.x) + c[1]),
+                                   pack_bf16x2(bf16_lo(x.y) + c[2], bf16_hi(x.y) + c[3]),
+                                   pack_bf16x2(bf16_lo(x.z) + c[4], bf16_hi(x.z) + c[5]),
+                                   pack_bf16x2(bf16_lo(x.w) + c[6], bf16_hi(x.w) + c[7]));
                 }
             }
             __syncwarp();                         /* acc (and, after the last half, a) free for the next use */
         }
+        cur = next;
     }
 }
 
