@@ -15,11 +15,10 @@
 
 /* Split path (split.h): segments of at least this many tokens; ALWAYS cuts down to two chunks. */
 static const int32_t SPLIT_MIN_TOKENS = 2048, SPLIT_MIN_TOKENS_ALWAYS = 64;
-/* AUTO splits when two segments per sequence fit: pass 1 costs about one chain of half the length at the
-   rate of one CTA per chain (~1.35x the paired rate), then the scan and the correction.  Segments whose
-   qeff does not fit the outputs scratch are recomputed by pass 3, which pays from three segments on;
-   with fewer, such a sequence runs whole. */
-static const int SPLIT_MIN_SEGS = 2, SPLIT_MIN_SEGS_RECOMPUTE = 3;
+/* AUTO splits when at least three segments per sequence fit: pass 1 costs a chain of a third of the
+   length at the one-CTA rate (~1.4x the paired rate) plus ~0.09 ms (the scan, the correction, the
+   launches); with two it measured level with the whole chain paired (H32 x 8192). */
+static const int SPLIT_MIN_SEGS = 3;
 
 struct kda_cuda {
     int device;
@@ -178,7 +177,6 @@ extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_
         a.min_tokens = always ? SPLIT_MIN_TOKENS_ALWAYS : SPLIT_MIN_TOKENS;
         a.qeff = cuda->split_outputs;
         a.qeff_elems = cuda->split_output_elems;
-        a.recompute = always || segs >= SPLIT_MIN_SEGS_RECOMPUTE;
         const int32_t units = max_seqs * segs;
         kda_fwd_params pass = p;
         pass.scratch = cuda->split_states;

@@ -39,8 +39,6 @@ __device__ __forceinline__ Cut split_cut(const kda_fwd_params &p, const kda_spli
     const int64_t len = p.seqs[i].len;
     int64_t n = len / a.min_tokens;
     n = n < 1 ? 1 : n > a.segs ? a.segs : n;
-    if (!a.recompute && !fits(a, c.before, len, p.heads))
-        n = 1;                                   /* two segments recomputed would cost more than none */
     const int64_t chunks = (len + C - 1) / C;
     c.seg_len = ((chunks + n - 1) / n) * C;
     c.nseg = c.seg_len > 0 ? int32_t((len + c.seg_len - 1) / c.seg_len) : 1;

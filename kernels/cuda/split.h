@@ -52,7 +52,6 @@ struct kda_split_args {
     int32_t max_seqs, segs, min_tokens;
     uint16_t *qeff;          /* the outputs scratch: [tokens][heads][D] bf16, sequences back to back */
     int64_t qeff_elems;      /* its size in values; segments past it are recomputed in pass 3 */
-    bool recompute;          /* false: a sequence whose outputs do not all fit is not cut (runs whole) */
 };
 
 /* The correction kernel's shared-memory attribute; once per device (kda_cuda_create). */
