@@ -101,11 +101,14 @@ int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_step *step_dev
  * fit the SMs (2 x max_seqs x heads x 3 <= SMs, e.g. H = 8 with one sequence),
  * each sequence is cut into up to SMs / (2 x max_seqs x heads) segments (at
  * most 16) of at least 2048 tokens, chosen on the device from its length
- * (shorter sequences run whole); the launch is then four kernels instead of
- * one (plan, pass 1, scan, pass 3).  The choice of the path depends
- * only on max_seqs, heads and the GPU, so a captured graph stays valid for
- * any batch of its bucket.  OFF never cuts; ALWAYS cuts whenever two segments
- * fit, down to 64 tokens a segment (tests).
+ * (shorter sequences run whole); the launch is then five kernels instead of
+ * one (plan, pass 1, scan, correction, pass 3).  Each segment's outputs are
+ * corrected from its initial state when the batch's tokens fit a scratch
+ * allocated by kda_cuda_create (256 MiB: 2^27 values, e.g. H = 8 x 131072
+ * tokens); past it the segments are recomputed from their initial states.
+ * The choice of the path depends only on max_seqs, heads and the GPU, so a
+ * captured graph stays valid for any batch of its bucket.  OFF never cuts;
+ * ALWAYS cuts whenever two segments fit, down to 64 tokens a segment (tests).
  */
 typedef enum kda_cuda_split {
     KDA_CUDA_SPLIT_AUTO = 0,
@@ -113,6 +116,9 @@ typedef enum kda_cuda_split {
     KDA_CUDA_SPLIT_ALWAYS,
 } kda_cuda_split;
 void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split);
+/* Caps the correction's scratch at elems bf16 values (tests: segments past it are recomputed); a negative
+   elems, or more than was allocated, restores the whole scratch. */
+void kda_cuda_set_split_outputs(kda_cuda *cuda, int64_t elems);
 
 #ifdef __cplusplus
 }

@@ -15,8 +15,9 @@
 
 /* Split path (split.h): segments of at least this many tokens; ALWAYS cuts down to two chunks. */
 static const int32_t SPLIT_MIN_TOKENS = 2048, SPLIT_MIN_TOKENS_ALWAYS = 64;
-/* AUTO splits when at least three segments per sequence fit: pass 1 and pass 3 cost about two
-   chains of a third of the length, against one of the whole length. */
+/* AUTO splits when at least three segments per sequence fit: pass 1 costs a chain of a third of the
+   length at the one-CTA rate (~1.4x the paired rate) plus ~0.09 ms (the scan, the correction, the
+   launches); with two it measured level with the whole chain paired (H32 x 8192). */
 static const int SPLIT_MIN_SEGS = 3;
 
 struct kda_cuda {
@@ -30,6 +31,8 @@ struct kda_cuda {
     float *split_states;         /* device: the split path's scratch states (kda_split_scratch_states) */
     kda_seq *split_table;        /* device: its descriptors (kda_split_table_entries) */
     int32_t *split_counts;       /* device: their two counts */
+    uint16_t *split_outputs;     /* device: the outputs scratch of the correction (KDA_SPLIT_OUTPUT_ELEMS) */
+    int64_t split_output_elems;  /* how much of it the split path uses (kda_cuda_set_split_outputs) */
 };
 
 static int cuda_fail(kda_error *err, cudaError_t e, const char *what)
@@ -61,7 +64,7 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
                         prop.name, (size_t)prop.sharedMemPerBlockOptin, kda_fwd_smem_bytes());
     if ((e = cudaSetDevice(device)) != cudaSuccess)
         return cuda_fail(err, e, "cudaSetDevice");
-    if ((e = kda_fwd_set_attributes()) != cudaSuccess)
+    if ((e = kda_fwd_set_attributes()) != cudaSuccess || (e = kda_split_set_attributes()) != cudaSuccess)
         return cuda_fail(err, e, "cudaFuncSetAttribute");
 
     kda_cuda *cuda = static_cast<kda_cuda *>(calloc(1, sizeof *cuda));
@@ -74,12 +77,14 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
         return cuda_fail(err, e, "cudaOccupancyMaxActiveClusters");
     }
     snprintf(cuda->name, sizeof cuda->name, "%s", prop.name);
+    cuda->split_output_elems = KDA_SPLIT_OUTPUT_ELEMS;
     const size_t states = kda_split_scratch_states(cuda->sm_count), entries = kda_split_table_entries(cuda->sm_count);
     if ((e = cudaMalloc(&cuda->sched, sizeof *cuda->sched)) != cudaSuccess ||
         (e = cudaMemset(cuda->sched, 0, sizeof *cuda->sched)) != cudaSuccess ||
         (e = cudaMalloc(&cuda->split_states, states * KDA_HEAD_DIM * KDA_HEAD_DIM * sizeof(float))) != cudaSuccess ||
         (e = cudaMalloc(&cuda->split_table, entries * sizeof(kda_seq))) != cudaSuccess ||
         (e = cudaMalloc(&cuda->split_counts, 2 * sizeof(int32_t))) != cudaSuccess ||
+        (e = cudaMalloc(&cuda->split_outputs, KDA_SPLIT_OUTPUT_ELEMS * sizeof(uint16_t))) != cudaSuccess ||
         (e = cudaDeviceSynchronize()) != cudaSuccess) {
         kda_cuda_destroy(cuda);
         return cuda_fail(err, e, "allocating the scheduler counters and the split path's scratch");
@@ -96,6 +101,7 @@ extern "C" void kda_cuda_destroy(kda_cuda *cuda)
     cudaFree(cuda->split_states);
     cudaFree(cuda->split_table);
     cudaFree(cuda->split_counts);
+    cudaFree(cuda->split_outputs);
     free(cuda);
 }
 
@@ -104,6 +110,10 @@ extern "C" int kda_cuda_sm_count(const kda_cuda *cuda) { return cuda->sm_count; 
 extern "C" int kda_cuda_paired_clusters(const kda_cuda *cuda) { return cuda->paired_clusters; }
 extern "C" void kda_cuda_set_pairing(kda_cuda *cuda, kda_cuda_pairing pairing) { cuda->pairing = pairing; }
 extern "C" void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split) { cuda->split = split; }
+extern "C" void kda_cuda_set_split_outputs(kda_cuda *cuda, int64_t elems)
+{
+    cuda->split_output_elems = elems < 0 || elems > KDA_SPLIT_OUTPUT_ELEMS ? KDA_SPLIT_OUTPUT_ELEMS : elems;
+}
 
 extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err)
 {
@@ -154,25 +164,32 @@ extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_
     p.state_is_bf16 = pool->dtype == KDA_DTYPE_BF16;
     p.sched = cuda->sched;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const bool always = cuda->split == KDA_CUDA_SPLIT_ALWAYS;
     const int segs = cuda->split == KDA_CUDA_SPLIT_OFF ? 0
-                   : kda_split_segments(cuda->sm_count, max_seqs, pool->heads,
-                                        cuda->split == KDA_CUDA_SPLIT_ALWAYS ? 2 : SPLIT_MIN_SEGS);
+                   : kda_split_segments(cuda->sm_count, max_seqs, pool->heads, always ? 2 : SPLIT_MIN_SEGS);
     cudaError_t e;
     if (segs == 0) {
         e = launch_fused(cuda, p, max_seqs, s);
-    } else {   /* split.h: plan, pass 1, scan, pass 3 */
-        const int32_t min_tokens = cuda->split == KDA_CUDA_SPLIT_ALWAYS ? SPLIT_MIN_TOKENS_ALWAYS : SPLIT_MIN_TOKENS;
+    } else {   /* split.h: plan, pass 1, scan, correction, pass 3 */
+        kda_split_args a;
+        a.max_seqs = max_seqs;
+        a.segs = segs;
+        a.min_tokens = always ? SPLIT_MIN_TOKENS_ALWAYS : SPLIT_MIN_TOKENS;
+        a.qeff = cuda->split_outputs;
+        a.qeff_elems = cuda->split_output_elems;
         const int32_t units = max_seqs * segs;
         kda_fwd_params pass = p;
         pass.scratch = cuda->split_states;
-        e = kda_split_plan(p, cuda->split_table, cuda->split_counts, max_seqs, segs, min_tokens, s);
+        e = kda_split_plan(p, a, cuda->split_table, cuda->split_counts, s);
         if (e == cudaSuccess) {
             pass.seqs = cuda->split_table;
             pass.nseqs = cuda->split_counts;
             e = launch_fused(cuda, pass, 2 * units, s);
         }
         if (e == cudaSuccess)
-            e = kda_split_scan(p, cuda->split_states, max_seqs, segs, min_tokens, s);
+            e = kda_split_scan(p, a, cuda->split_states, s);
+        if (e == cudaSuccess)
+            e = kda_split_correct(p, a, cuda->split_table, cuda->split_states, cuda->sm_count, s);
         if (e == cudaSuccess) {
             pass.seqs = cuda->split_table + 2 * units;
             pass.nseqs = cuda->split_counts + 1;

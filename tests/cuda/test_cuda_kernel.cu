@@ -12,7 +12,8 @@
  *   determinism        the same batch twice gives the same bits
  *   split chains       long sequences of few chains cut into segments
  *                      (kda_cuda_set_split): 32768 and 131072 tokens against
- *                      the oracle, slow gates, cuts at every length, graphs,
+ *                      the oracle, slow gates, the correction's scratch too
+ *                      small (segments recomputed), cuts at every length, graphs,
  *                      determinism; the golden cases and edges cut too
  *
  * Exits 77 (skipped) without an sm_90 GPU.  KDA_GPU_TEST_QUICK=1 runs only a
@@ -502,6 +503,25 @@ static void split_long(void **unused)
     }
 }
 
+/* The correction's scratch capped (kda_cuda_set_split_outputs): the segments past it are recomputed. */
+static void split_recompute(void **unused)
+{
+    const int64_t D = KDA_HEAD_DIM;
+    struct { const char *name; int heads; std::vector<int64_t> lens; int64_t cap_tokens; float lb; } w[] = {
+        {"H4 x 20000 + 9000, scratch for 24000 tokens", 4, {20000, 9000}, 24000, -0.1f},
+        {"H8 x 32768, no scratch (every segment recomputed)", 8, {32768}, 0, -5.0f},
+    };
+    for (auto &x : w) {
+        kda_cuda_set_split_outputs(cu, x.cap_tokens * x.heads * D);
+        DevBatch b = make_batch(x.heads, x.lens, iota_slots(x.lens.size(), 1), seed + 1550, x.lb);
+        kda_pool pool = make_pool(x.heads, int64_t(x.lens.size()) + 1, KDA_DTYPE_F32, seed + 1650);
+        run_and_check(b, pool, x.name);
+        cudaFree(pool.state);
+        free_batch(b);
+    }
+    kda_cuda_set_split_outputs(cu, -1);
+}
+
 /* One captured launch (a bucket of 2 sequences, H = 4: split) replayed with batches cut and not cut. */
 static void split_graph_replay(void **unused)
 {
@@ -654,7 +674,8 @@ int main()
             cmocka_unit_test(graph_replay),         cmocka_unit_test(deterministic),
         };
         const struct CMUnitTest split_auto_tests[] = {
-            cmocka_unit_test(split_long), cmocka_unit_test(split_graph_replay), cmocka_unit_test(split_deterministic),
+            cmocka_unit_test(split_long),          cmocka_unit_test(split_recompute),
+            cmocka_unit_test(split_graph_replay),  cmocka_unit_test(split_deterministic),
         };
         const struct CMUnitTest split_always_tests[] = {cmocka_unit_test(golden_cases), cmocka_unit_test(split_edges)};
         failed = cmocka_run_group_tests_name("automatic pairing", tests, pairing_auto, nullptr) +
