@@ -64,8 +64,6 @@ int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_seq *seqs_d
  * CTAs that share its chunk preparation (paired chains: about twice as fast
  * per chain); otherwise one CTA per chain.  OFF and ALWAYS force one way
  * (tests); ALWAYS with more chains than clusters gives each cluster several.
- * OFF also runs the split path's pass 1 with a CTA per run (R and M of a
- * segment apart) instead of a cluster per segment (twin chains).
  */
 typedef enum kda_cuda_pairing {
     KDA_CUDA_PAIRING_AUTO = 0,

@@ -19,11 +19,6 @@
  * then O, times scale / |q_t|, is stored as bf16 (through the stage's value
  * tile, for whole-row stores), and after the item's last chunk S goes back
  * to its pool slot (in place: the slot is read once at the first chunk).
- *
- * Twin chains (smem.cuh): both CTAs' consumers take the same chunks; rank 0's
- * run the R descriptor the header names, rank 1's its M descriptor, and store
- * their outputs from registers: rank 1's stages are bulk-copied to rank 0
- * with the values R needs, so its consumers must write nothing into them.
  */
 #pragma once
 
@@ -127,12 +122,9 @@ __device__ __forceinline__ void store_state(const float (&acc)[64], const kda_fw
 }
 
 /* Consumer of state half `wg` (V rows 64 wg ..), thread `tid` of it. */
-template <Layout L>
+template <bool PAIRED>
 __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_params &p, int wg, int tid)
 {
-    constexpr bool CLUSTER = clustered(L);
-    const bool m_run = L == Layout::TWINS && cluster_rank() == 1;   /* twin chains' M: outputs from registers */
-    const int32_t desc_offset = m_run ? *p.nseqs / 2 : 0;           /* the M descriptor of the header's R one */
     const int warp = tid >> 5, lane = tid & 31;
     const ConsumerLane ln{wg * ROWS_PER_CONSUMER + warp * 16 + (lane >> 2), 2 * (lane & 3)};
     const int64_t stride = int64_t(p.heads) * D;     /* elements between tokens */
@@ -158,16 +150,16 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
 
     PROF_START(wg == 0 && tid == 0);
     for (uint32_t n = 0;; n++) {
-        const StageUse use = stage_use<CLUSTER>(n);
+        const StageUse use = stage_use<PAIRED>(n);
         PrepStage &st = sm.prep[use.index];
-        mbar_wait<CLUSTER>(&sm.full[use.index], use.phase);
+        mbar_wait<PAIRED>(&sm.full[use.index], use.phase);
         PROF_MARK(PROF_C_FULLWAIT);
         const ChunkHeader hdr = st.hdr;
         if (hdr.flags & CHUNK_END)
             break;
         PROF_COUNT(PROF_CHUNKS);
         if (hdr.flags & CHUNK_FIRST) {
-            const kda_seq &desc = p.seqs[hdr.seq + desc_offset];
+            const kda_seq &desc = p.seqs[hdr.seq];
             out = desc.out;
             v_keep = desc.flags & KDA_SEQ_IDENTITY_STATE ? 0u : ~0u;
             load_state(acc, p, desc, hdr.head, ln);
@@ -253,67 +245,42 @@ __device__ __forceinline__ void consumer_main(SharedStorage &sm, const kda_fwd_p
         scale_columns(acc, st.gam_tail, ln);
         PROF_MARK(PROF_C_STEP4);
 
+        /* epilogue: O^T times scale / |q_t|, transposed by stmatrix into the value tile (whose rows
+           are tokens, like the output's; each warpgroup reads only its own 64 columns of it), then
+           stored by rows with 16-byte stores */
+        uint32_t o[2][4];
+#pragma unroll
+        for (int nt = 0; nt < C / 8; nt++) {
+            const float2 os = *reinterpret_cast<const float2 *>(&st.out_scale[8 * nt + ln.col]);
+#pragma unroll
+            for (int h = 0; h < 2; h++)            /* 8 x 8 matrix (nt, h): tokens 8nt.., rows 8h.. of the warp's 16 */
+                o[nt / 2][2 * (nt % 2) + h] = pack_bf16x2(ot[4 * nt + 2 * h] * os.x, ot[4 * nt + 2 * h + 1] * os.y);
+        }
+#pragma unroll
+        for (int call = 0; call < 2; call++) {
+            const int m = 4 * call + (lane >> 3), nt = m / 2, h = m % 2;
+            stmatrix_x4_trans(st.v.at(8 * nt + (lane & 7), ln.row0 - (lane >> 2) + 8 * h), o[call]);
+        }
+        named_barrier_sync(BAR_CONSUMER + wg, WG_THREADS);
+        uint4 rows[2];
+#pragma unroll
+        for (int pass = 0; pass < 2; pass++)
+            rows[pass] = *reinterpret_cast<const uint4 *>(st.v.at(tid / 8 + 16 * pass, wg * ROWS_PER_CONSUMER + (tid % 8) * 8));
+
         /* Every read of this stage is done: release it before the output stores, since an arrival
            with release at cluster scope waits for this thread's earlier stores to reach L2. */
         uint64_t *empty = &sm.empty[use.index];
-        const auto release = [&] {
-            mbar_arrive(empty);
-            if (CLUSTER)                            /* the peer's producers write into both CTAs' stage */
-                mbar_arrive_cluster(cluster_addr(empty, cluster_rank() ^ 1), 1);
-        };
-        if (m_run) {
-            /* O^T times scale / |q_t|, stored as single bf16 values: lanes 4g .. 4g + 3 write 16 bytes of
-               a token's row (the stage's value tile is the peer's) */
-            float2 os[C / 8];
+        mbar_arrive(empty);
+        if (PAIRED)                                 /* the peer's producers write into both CTAs' stage */
+            mbar_arrive_cluster(cluster_addr(empty, cluster_rank() ^ 1), 1);
 #pragma unroll
-            for (int nt = 0; nt < C / 8; nt++)
-                os[nt] = *reinterpret_cast<const float2 *>(&st.out_scale[8 * nt + ln.col]);
-            release();
-#pragma unroll
-            for (int nt = 0; nt < C / 8; nt++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int t = 8 * nt + ln.col;
-                    const uint32_t w = pack_bf16x2(ot[4 * nt + 2 * h] * os[nt].x, ot[4 * nt + 2 * h + 1] * os[nt].y);
-                    const int64_t at = (hdr.t0 + t) * stride + int64_t(hdr.head) * D + ln.row0 + 8 * h;
-                    if (out && t < hdr.ntok)
-                        out[at] = uint16_t(w);
-                    if (out && t + 1 < hdr.ntok)
-                        out[at + stride] = uint16_t(w >> 16);
-                }
-            }
-        } else {
-            /* epilogue: O^T times scale / |q_t|, transposed by stmatrix into the value tile (whose rows
-               are tokens, like the output's; each warpgroup reads only its own 64 columns of it), then
-               stored by rows with 16-byte stores */
-            uint32_t o[2][4];
-#pragma unroll
-            for (int nt = 0; nt < C / 8; nt++) {
-                const float2 os = *reinterpret_cast<const float2 *>(&st.out_scale[8 * nt + ln.col]);
-#pragma unroll
-                for (int h = 0; h < 2; h++)        /* 8 x 8 matrix (nt, h): tokens 8nt.., rows 8h.. of the warp's 16 */
-                    o[nt / 2][2 * (nt % 2) + h] = pack_bf16x2(ot[4 * nt + 2 * h] * os.x, ot[4 * nt + 2 * h + 1] * os.y);
-            }
-#pragma unroll
-            for (int call = 0; call < 2; call++) {
-                const int m = 4 * call + (lane >> 3), nt = m / 2, h = m % 2;
-                stmatrix_x4_trans(st.v.at(8 * nt + (lane & 7), ln.row0 - (lane >> 2) + 8 * h), o[call]);
-            }
-            named_barrier_sync(BAR_CONSUMER + wg, WG_THREADS);
-            uint4 rows[2];
-#pragma unroll
-            for (int pass = 0; pass < 2; pass++)
-                rows[pass] = *reinterpret_cast<const uint4 *>(st.v.at(tid / 8 + 16 * pass, wg * ROWS_PER_CONSUMER + (tid % 8) * 8));
-            release();
-#pragma unroll
-            for (int pass = 0; pass < 2; pass++) {
-                const int i = tid / 8 + 16 * pass, col = wg * ROWS_PER_CONSUMER + (tid % 8) * 8;
-                if (i < hdr.ntok && out)
-                    *reinterpret_cast<uint4 *>(out + (hdr.t0 + i) * stride + int64_t(hdr.head) * D + col) = rows[pass];
-            }
+        for (int pass = 0; pass < 2; pass++) {
+            const int i = tid / 8 + 16 * pass, col = wg * ROWS_PER_CONSUMER + (tid % 8) * 8;
+            if (i < hdr.ntok && out)
+                *reinterpret_cast<uint4 *>(out + (hdr.t0 + i) * stride + int64_t(hdr.head) * D + col) = rows[pass];
         }
         if (hdr.flags & CHUNK_LAST)
-            store_state(acc, p, p.seqs[hdr.seq + desc_offset], hdr.head, ln);
+            store_state(acc, p, p.seqs[hdr.seq], hdr.head, ln);
         PROF_MARK(PROF_C_EPILOGUE);
     }
     PROF_FLUSH(PROF_TOTAL);

@@ -24,7 +24,6 @@ struct kda_cuda {
     int device;
     int sm_count;
     int paired_clusters;         /* clusters of paired chains that run at once */
-    int twin_clusters;           /* clusters of twin chains (the split path's pass 1) that run at once */
     kda_cuda_pairing pairing;
     kda_cuda_split split;
     char name[256];
@@ -73,8 +72,7 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
         return kda_fail(err, KDA_ENOMEM, "no memory for the CUDA backend");
     cuda->device = device;
     cuda->sm_count = prop.multiProcessorCount;
-    if ((e = kda_fwd_max_paired_clusters(&cuda->paired_clusters)) != cudaSuccess ||
-        (e = kda_fwd_max_twin_clusters(&cuda->twin_clusters)) != cudaSuccess) {
+    if ((e = kda_fwd_max_paired_clusters(&cuda->paired_clusters)) != cudaSuccess) {
         free(cuda);
         return cuda_fail(err, e, "cudaOccupancyMaxActiveClusters");
     }
@@ -183,13 +181,10 @@ extern "C" int kda_cuda_prefill(kda_cuda *cuda, const kda_pool *pool, const kda_
         kda_fwd_params pass = p;
         pass.scratch = cuda->split_states;
         e = kda_split_plan(p, a, cuda->split_table, cuda->split_counts, s);
-        if (e == cudaSuccess) {   /* pass 1: R and M of each segment on one cluster (twin chains), or apart */
+        if (e == cudaSuccess) {
             pass.seqs = cuda->split_table;
             pass.nseqs = cuda->split_counts;
-            const int64_t pairs = (int64_t)units * p.heads;
-            e = cuda->twin_clusters > 0 && cuda->pairing != KDA_CUDA_PAIRING_OFF
-                    ? kda_fwd_launch_twins(pass, pairs < cuda->twin_clusters ? (int)pairs : cuda->twin_clusters, s)
-                    : launch_fused(cuda, pass, 2 * units, s);
+            e = launch_fused(cuda, pass, 2 * units, s);
         }
         if (e == cudaSuccess)
             e = kda_split_scan(p, a, cuda->split_states, s);

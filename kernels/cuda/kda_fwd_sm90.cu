@@ -18,12 +18,6 @@
  * four producers prepare every fourth chunk each and bulk-copy each stage
  * into the peer CTA too, so a chunk costs what the consumers need rather
  * than what two producers can prepare.
- *
- * Twin chains, the split path's pass 1 (split.h): a cluster of two CTAs of
- * four warpgroups per segment and head, whose producers work as paired
- * chains' do; rank 0's consumers run the segment from zero with its values
- * (R), rank 1's from the identity with zero values (M).  The two runs share
- * every prepared operand, so the pair costs about one paired chain.
  */
 #include "kda_fwd_sm90.h"
 
@@ -34,13 +28,12 @@
 
 namespace kda {
 
-template <Layout L>
-__global__ void __launch_bounds__(threads(half_state(L)), 1) kda_fwd_kernel(const __grid_constant__ kda_fwd_params p)
+template <bool PAIRED>
+__global__ void __launch_bounds__(threads(PAIRED), 1) kda_fwd_kernel(const __grid_constant__ kda_fwd_params p)
 {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
     __trap();   /* built for another architecture: wgmma and setmaxnreg need sm_90a */
 #else
-    constexpr bool CLUSTER = clustered(L), HALF = half_state(L);
     /* Aligned by an offset from the __shared__ array (not through an integer cast), so the
        compiler keeps every access in the shared space: 32-bit addresses, LDS/STS. */
     extern __shared__ uint8_t smem_raw[];
@@ -49,29 +42,29 @@ __global__ void __launch_bounds__(threads(half_state(L)), 1) kda_fwd_kernel(cons
     if (threadIdx.x == 0) {
         for (int s = 0; s < PREP_STAGES; s++) {
             mbar_init(&sm.full[s], FULL_ARRIVALS);
-            mbar_init(&sm.empty[s], empty_arrivals(L));
+            mbar_init(&sm.empty[s], EMPTY_ARRIVALS);
         }
         for (int w = 0; w < PRODUCER_WGS; w++) {
             mbar_init(&sm.loaded[w], WG_THREADS);
             mbar_init(&sm.plan_turn[w], 1);
         }
-        if (CLUSTER)
+        if (PAIRED)
             fence_mbarrier_init_cluster();
     }
-    if (CLUSTER)
+    if (PAIRED)
         cluster_sync();   /* the peer's barriers exist before anything arrives on them */
     else
         __syncthreads();
 
     const int wg = threadIdx.x / WG_THREADS;
     if (wg < PRODUCER_WGS) {
-        setmaxnreg_dec<producer_regs(HALF)>();
-        producer_main<CLUSTER, L == Layout::TWINS>(sm, p, wg, threadIdx.x % WG_THREADS);
+        setmaxnreg_dec<producer_regs(PAIRED)>();
+        producer_main<PAIRED>(sm, p, wg, threadIdx.x % WG_THREADS);
     } else {
-        setmaxnreg_inc<consumer_regs(HALF)>();
-        consumer_main<L>(sm, p, HALF ? int(cluster_rank()) : wg - PRODUCER_WGS, threadIdx.x % WG_THREADS);
+        setmaxnreg_inc<consumer_regs(PAIRED)>();
+        consumer_main<PAIRED>(sm, p, PAIRED ? int(cluster_rank()) : wg - PRODUCER_WGS, threadIdx.x % WG_THREADS);
     }
-    if (CLUSTER) {
+    if (PAIRED) {
         cluster_sync();   /* neither CTA leaves while the other may still arrive on or copy into it */
     } else {
         __syncthreads();
@@ -87,22 +80,20 @@ size_t kda_fwd_smem_bytes() { return kda::SMEM_BYTES; }
 
 cudaError_t kda_fwd_set_attributes()
 {
-    const void *const kernels[] = {reinterpret_cast<const void *>(kda::kda_fwd_kernel<kda::Layout::SOLO>),
-                                   reinterpret_cast<const void *>(kda::kda_fwd_kernel<kda::Layout::PAIRED>),
-                                   reinterpret_cast<const void *>(kda::kda_fwd_kernel<kda::Layout::TWINS>)};
-    cudaError_t e = cudaSuccess;
-    for (const void *kernel : kernels)
-        if (e == cudaSuccess)
-            e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kda::SMEM_BYTES));
+    cudaError_t e = cudaFuncSetAttribute(kda::kda_fwd_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(kda::SMEM_BYTES));
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(kda::kda_fwd_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 int(kda::SMEM_BYTES));
     return e;
 }
 
-/* The launch of `clusters` clusters of two CTAs (paired or twin chains). */
-static cudaLaunchConfig_t cluster_config(int clusters, int threads, cudaStream_t stream, cudaLaunchAttribute *attr)
+/* The launch of `clusters` paired-chain clusters (two CTAs each). */
+static cudaLaunchConfig_t paired_config(int clusters, cudaStream_t stream, cudaLaunchAttribute *attr)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(2 * clusters);
-    cfg.blockDim = dim3(threads);
+    cfg.blockDim = dim3(kda::threads(true));
     cfg.dynamicSmemBytes = kda::SMEM_BYTES;
     cfg.stream = stream;
     attr->id = cudaLaunchAttributeClusterDimension;
@@ -117,15 +108,8 @@ static cudaLaunchConfig_t cluster_config(int clusters, int threads, cudaStream_t
 cudaError_t kda_fwd_max_paired_clusters(int *clusters)
 {
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config(1, kda::threads(true), nullptr, &attr);
-    return cudaOccupancyMaxActiveClusters(clusters, kda::kda_fwd_kernel<kda::Layout::PAIRED>, &cfg);
-}
-
-cudaError_t kda_fwd_max_twin_clusters(int *clusters)
-{
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config(1, kda::threads(false), nullptr, &attr);
-    return cudaOccupancyMaxActiveClusters(clusters, kda::kda_fwd_kernel<kda::Layout::TWINS>, &cfg);
+    const cudaLaunchConfig_t cfg = paired_config(1, nullptr, &attr);
+    return cudaOccupancyMaxActiveClusters(clusters, kda::kda_fwd_kernel<true>, &cfg);
 }
 
 #ifdef KDA_PROFILE
@@ -141,20 +125,13 @@ cudaError_t kda_fwd_profile(unsigned long long *out, bool reset)
 
 cudaError_t kda_fwd_launch(const kda_fwd_params &p, int ctas, cudaStream_t stream)
 {
-    kda::kda_fwd_kernel<kda::Layout::SOLO><<<ctas, kda::threads(false), kda::SMEM_BYTES, stream>>>(p);
+    kda::kda_fwd_kernel<false><<<ctas, kda::threads(false), kda::SMEM_BYTES, stream>>>(p);
     return cudaGetLastError();
 }
 
 cudaError_t kda_fwd_launch_paired(const kda_fwd_params &p, int clusters, cudaStream_t stream)
 {
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config(clusters, kda::threads(true), stream, &attr);
-    return cudaLaunchKernelEx(&cfg, kda::kda_fwd_kernel<kda::Layout::PAIRED>, p);
-}
-
-cudaError_t kda_fwd_launch_twins(const kda_fwd_params &p, int clusters, cudaStream_t stream)
-{
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config(clusters, kda::threads(false), stream, &attr);
-    return cudaLaunchKernelEx(&cfg, kda::kda_fwd_kernel<kda::Layout::TWINS>, p);
+    const cudaLaunchConfig_t cfg = paired_config(clusters, stream, &attr);
+    return cudaLaunchKernelEx(&cfg, kda::kda_fwd_kernel<true>, p);
 }

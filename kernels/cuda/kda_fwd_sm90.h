@@ -14,17 +14,11 @@ size_t kda_fwd_smem_bytes();
 cudaError_t kda_fwd_set_attributes();
 /* How many clusters of paired chains the device runs at once. */
 cudaError_t kda_fwd_max_paired_clusters(int *clusters);
-/* How many clusters of twin chains (the split path's pass 1) the device runs at once. */
-cudaError_t kda_fwd_max_twin_clusters(int *clusters);
 /* Enqueues the kernel with one CTA per chain: `ctas` persistent CTAs sharing the work. */
 cudaError_t kda_fwd_launch(const kda_fwd_params &p, int ctas, cudaStream_t stream);
 /* Enqueues the kernel with paired chains: `clusters` clusters of two CTAs, cluster c taking
    items c, c + clusters, ... */
 cudaError_t kda_fwd_launch_paired(const kda_fwd_params &p, int clusters, cudaStream_t stream);
-/* Twin chains (the split path's pass 1, split.h): `clusters` clusters of two CTAs, cluster c taking
-   pairs c, c + clusters, ... of the first *p.nseqs / 2 descriptors (R runs, on rank 0) and the
-   descriptor *p.nseqs / 2 after each (its M run, on rank 1). */
-cudaError_t kda_fwd_launch_twins(const kda_fwd_params &p, int clusters, cudaStream_t stream);
 
 #ifdef KDA_PROFILE
 /* Per-phase cycle totals of CTA 0 (profile.cuh), optionally zeroed after reading. */

@@ -534,14 +534,11 @@ __device__ __forceinline__ void send_to_peer(PrepStage &st, uint64_t *full, uint
  * planned in turns from the shared cursor.  Paired chains: chunks
  * 2 rank + wg, + 4, ... of the cluster's sequence, each warpgroup planning
  * from its own walk, and every prepared stage also goes to the peer CTA.
- * Twin chains work as paired ones over the first half of the descriptors
- * (the R runs; each one's M run, which the peer CTA's consumers run, has the
- * same operands).
  */
-template <bool PAIRED, bool TWINS = false>
+template <bool PAIRED>
 __device__ __forceinline__ void producer_main(SharedStorage &sm, const kda_fwd_params &p, int wg, int tid)
 {
-    const uint32_t nitems = uint32_t(TWINS ? *p.nseqs / 2 : *p.nseqs) * uint32_t(p.heads);
+    const uint32_t nitems = uint32_t(*p.nseqs) * uint32_t(p.heads);
     ProducerArea &area = sm.area[wg];
     const ProducerSync sync{BAR_PRODUCER + uint32_t(wg)};
     uint64_t *loaded = &sm.loaded[wg];

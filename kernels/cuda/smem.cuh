@@ -50,16 +50,8 @@ constexpr int SM90_REGISTERS = 65536;            /* 32-bit registers per SM, all
  * and WG3 hold the state.  Paired chains (a cluster of two CTAs per chain,
  * when chains are at most half the SMs): in each CTA WG0 and WG1 prepare
  * every fourth chunk, for both CTAs, and WG2 holds the 64 state rows of the
- * CTA's rank.  Twin chains (the split path's pass 1: a segment's R and M
- * runs, which share every prepared operand): a cluster of two CTAs of one
- * CTA per chain's shape, whose producers work as paired chains' do; rank 0's
- * WG2 and WG3 run R, rank 1's run M.
+ * CTA's rank.
  */
-enum class Layout { SOLO, PAIRED, TWINS };
-/* The four producers of a cluster share the chunks and copy each stage to the peer. */
-constexpr bool clustered(Layout l) { return l != Layout::SOLO; }
-/* A CTA holds half a chain's state (one consumer warpgroup). */
-constexpr bool half_state(Layout l) { return l == Layout::PAIRED; }
 constexpr int WG_THREADS = 128;
 constexpr int PRODUCER_WGS = 2;
 constexpr int CHAIN_CONSUMER_WGS = 2;
@@ -262,17 +254,15 @@ struct SharedStorage {
                                     (128 arrivals and 128 cp.async arrivals of one warpgroup; paired
                                     chains, from the peer: 256 arrivals and the bulk copy's bytes) */
     uint64_t empty[PREP_STAGES]; /* consumers -> producers: stage consumed (256 arrivals: the chain's
-                                    two consumer warpgroups, in both CTAs when paired; twin chains:
-                                    512, the four of both CTAs) */
+                                    two consumer warpgroups, in both CTAs when paired) */
     uint64_t loaded[PRODUCER_WGS];    /* a warpgroup's raw rows landed (its 128 cp.async arrivals) */
     uint64_t plan_turn[PRODUCER_WGS]; /* this warpgroup may plan next (1 arrival, by the other) */
 };
 
 /* Arrivals per phase: full = a producer warpgroup's threads and their value copies; empty = the
-   threads of the chain's two consumer warpgroups (twin chains: of both chains, R's and M's). */
+   threads of the chain's two consumer warpgroups. */
 constexpr uint32_t FULL_ARRIVALS = 2 * WG_THREADS;
 constexpr uint32_t EMPTY_ARRIVALS = WG_THREADS * CHAIN_CONSUMER_WGS;
-constexpr uint32_t empty_arrivals(Layout l) { return l == Layout::TWINS ? 2 * EMPTY_ARRIVALS : EMPTY_ARRIVALS; }
 /* What paired chains copy of a prepared stage to the peer: everything up to the header. */
 constexpr uint32_t STAGE_COPY_BYTES = uint32_t(offsetof(PrepStage, hdr) + sizeof(ChunkHeader));
 static_assert(STAGE_COPY_BYTES % 16 == 0, "bulk copies move multiples of 16 bytes");

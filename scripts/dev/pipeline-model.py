@@ -5,17 +5,11 @@ producer.cuh, consumer.cuh, smem.cuh), run with random latencies, for each layou
   paired  two CTAs per chain: producer (rank, w) prepares n = 4k + 2 rank + w into stage n % 4 of
           its CTA, then bulk-copies it into the peer's (arrive.expect_tx, the copy's complete_tx,
           255 more arrivals); each CTA's consumer arrives on both CTAs' empty barriers
-  twins   the split path's pass 1: paired's producers and copies, two consumer warpgroups per CTA
-          (rank 0 runs R, rank 1 M), each arriving on both CTAs' empty barriers (512 a phase)
 
 It models mbarriers as the hardware keeps them (phase, pending arrivals, transaction bytes; a parity
 wait passes when the current phase's parity differs) and checks that every consumer reads every chunk
 in order with the right contents (the last one is END), that no stage is written while a consumer
-reads it, that no barrier gets more arrivals than its count, and that nothing deadlocks.  It also
-follows the value tile, through which a consumer stages its outputs (its own 64 columns): a
-consumer that reads values must find the chunk's own in its columns, although a stage copy taken
-from a CTA whose consumers already staged outputs there carries those (a bulk copy reads its
-source at any time until it lands).  A change
+reads it, that no barrier gets more arrivals than its count, and that nothing deadlocks.  A change
 to the protocol (stages, strides, who waits on what) should be tried here first.
 
     python3 scripts/dev/pipeline-model.py
@@ -42,14 +36,10 @@ def kernel_constants():
     (wg,) = grab("smem.cuh", r"constexpr int WG_THREADS = (\d+);")
     full, empty = grab("smem.cuh", r"FULL_ARRIVALS = (\d+) \* WG_THREADS;[\s\S]*EMPTY_ARRIVALS = WG_THREADS \* (\w+);")
     (consumers,) = grab("smem.cuh", r"constexpr int %s = (\d+);" % empty)
-    (twins_empty,) = grab("smem.cuh", r"empty_arrivals\(Layout l\) \{ return l == Layout::TWINS \? (\d+) \* EMPTY_ARRIVALS")
     paired_stride, solo_stride = grab("producer.cuh", r"STRIDE = PAIRED \? (\d+) : (\d+);")
-    (m_direct,) = grab("consumer.cuh", r"const bool m_run = (L == Layout::TWINS && cluster_rank\(\) == 1);")
-    empty = int(wg) * int(consumers)
-    return {"stages": {"paired": int(paired_stages), "solo": int(solo_stages), "twins": int(paired_stages)},
-            "stride": {"paired": int(paired_stride), "solo": int(solo_stride), "twins": int(paired_stride)},
-            "wg": int(wg), "full": int(full) * int(wg),
-            "empty": {"solo": empty, "paired": empty, "twins": int(twins_empty) * empty}}
+    return {"stages": {"paired": int(paired_stages), "solo": int(solo_stages)},
+            "stride": {"paired": int(paired_stride), "solo": int(solo_stride)},
+            "wg": int(wg), "full": int(full) * int(wg), "empty": int(wg) * int(consumers)}
 
 
 K = kernel_constants()
@@ -106,27 +96,23 @@ class Sim:
 def model(layout, total, seed):
     sim = Sim(seed)
     rnd = sim.rnd
-    ctas = 1 if layout == "solo" else 2
+    ctas = 2 if layout == "paired" else 1
     stages = K["stages"][layout]
     producers = [(r, w) for r in range(ctas) for w in range(2)]
     stride = len(producers)
     assert stride == K["stride"][layout], f"{layout}: the kernel's producers stride {K['stride'][layout]}"
     full = [[Bar(f"full{r}.{s}", K["full"]) for s in range(stages)] for r in range(ctas)]
-    empty = [[Bar(f"empty{r}.{s}", K["empty"][layout]) for s in range(stages)] for r in range(ctas)]
+    empty = [[Bar(f"empty{r}.{s}", K["empty"]) for s in range(stages)] for r in range(ctas)]
     stage = [[None] * stages for _ in range(ctas)]
     reading = [[None] * stages for _ in range(ctas)]
-    # the value tile's two 64-column halves: the chunk whose values they hold, or "out" once a
-    # consumer staged its outputs there
-    values = [[[None, None] for _ in range(stages)] for _ in range(ctas)]
     content = lambda n: "END" if n == total else n
 
     def write(r, s, n):
         assert reading[r][s] is None, f"stage {r}.{s} written with chunk {n} while chunk {reading[r][s]} is read"
         stage[r][s] = content(n)
-        values[r][s] = [n, n]
 
     def producer(r, w, k):
-        n = stride * k + 2 * r + w
+        n = stride * k + (2 * r + w if layout == "paired" else w)
         if n > total:
             return                                            # past the END chunk
         s = n % stages
@@ -136,7 +122,7 @@ def model(layout, total, seed):
             def prepared():
                 full[r][s].arrive(K["wg"])                     # the warpgroup's threads
                 sim.at(rnd.uniform(0, 1), lambda: full[r][s].arrive(K["full"] - K["wg"]))   # its value copies
-                if layout != "solo":                           # thread 0, once the stage is complete
+                if layout == "paired":                         # thread 0, once the stage is complete
                     def complete():
                         peer = r ^ 1
                         full[peer][s].arrive(1, tx=1000)
@@ -144,7 +130,6 @@ def model(layout, total, seed):
                         def landed():
                             assert reading[peer][s] is None, f"copy of chunk {n} lands while {reading[peer][s]} is read"
                             stage[peer][s] = data
-                            values[peer][s] = list(values[r][s])   # the source's value tile as it is now
                             full[peer][s].complete_tx(1000)
                         sim.at(rnd.uniform(0.1, 2), landed)
                         full[peer][s].arrive(K["full"] - 1)
@@ -158,37 +143,27 @@ def model(layout, total, seed):
 
     def consumer(r, wg, n):
         s = n % stages
-        half = r if layout == "paired" else wg                # the state rows (value columns) it holds
-        reads_values = not (layout == "twins" and r == 1)     # twin chains' M reads its values as zeros
-        stages_outputs = reads_values                         # ... and stores its outputs from registers
         def full_ok():
             c = stage[r][s]
             got.setdefault((r, wg), []).append(c)
             assert c == content(n), f"consumer {r}.{wg} read {c} for chunk {n}"
             if c == "END":
                 return
-            if reads_values:
-                assert values[r][s][half] == n, \
-                    f"consumer {r}.{wg} finds {values[r][s][half]} in its value columns of chunk {n}"
             if wg == 0:
                 reading[r][s] = n
-            def staged():
-                if stages_outputs:
-                    values[r][s][half] = "out"
-                sim.at(rnd.uniform(0.1, 0.5), done)
             def done():
                 if wg == 0:
                     reading[r][s] = None
                 arrivals = K["wg"]                            # a consumer warpgroup's threads
-                for cta in range(ctas):                       # paired, twins: both CTAs' empty barriers
+                for cta in range(ctas):                       # paired: both CTAs' empty barriers
                     empty[cta][s].arrive(arrivals)
                 consumer(r, wg, n + 1)
-            sim.at(rnd.uniform(0.5, 1.5), staged)
+            sim.at(rnd.uniform(0.5, 1.5), done)
         sim.wait(full[r][s], (n // stages) & 1, full_ok)
 
     for r, w in producers:
         producer(r, w, 0)
-    consumer_wgs = [(r, 0) for r in range(ctas)] if layout == "paired" else [(r, wg) for r in range(ctas) for wg in (0, 1)]
+    consumer_wgs = [(r, 0) for r in range(ctas)] if layout == "paired" else [(0, 0), (0, 1)]
     for r, wg in consumer_wgs:
         consumer(r, wg, 0)
     sim.run()
@@ -197,7 +172,7 @@ def model(layout, total, seed):
 
 
 if __name__ == "__main__":
-    for layout in ("solo", "paired", "twins"):
+    for layout in ("solo", "paired"):
         runs = 0
         for total in list(range(0, 20)) + [37, 100, 257]:
             for seed in range(30 if total < 40 else 6):

@@ -14,8 +14,7 @@
  *                      (kda_cuda_set_split): 32768 and 131072 tokens against
  *                      the oracle, slow gates, the correction's scratch too
  *                      small (segments recomputed), cuts at every length, graphs,
- *                      determinism; the golden cases and edges cut too; pass 1
- *                      on twin chains (AUTO pairing) and one CTA per run (OFF)
+ *                      determinism; the golden cases and edges cut too
  *
  * Exits 77 (skipped) without an sm_90 GPU.  KDA_GPU_TEST_QUICK=1 runs only a
  * small varlen batch, whole and cut (for compute-sanitizer); =split only the
@@ -618,30 +617,17 @@ static int set_pairing(kda_cuda_pairing pairing, const char *what)
 static int pairing_auto(void **) { return set_pairing(KDA_CUDA_PAIRING_AUTO, "paired CTAs when they fit, else one CTA each"); }
 static int pairing_off(void **) { return set_pairing(KDA_CUDA_PAIRING_OFF, "one CTA each"); }
 static int pairing_always(void **) { return set_pairing(KDA_CUDA_PAIRING_ALWAYS, "paired CTAs, several chains per cluster"); }
-/* Split groups: the pairing (AUTO: pass 1 on twin chains; OFF: a CTA per run) and the split mode for
-   the group's tests (both reset after). */
-static int set_split(kda_cuda_split split, kda_cuda_pairing pairing, const char *what)
+/* Split groups: pairing back to AUTO, and the split mode for the group's tests (reset after). */
+static int set_split(kda_cuda_split split, const char *what)
 {
-    kda_cuda_set_pairing(cu, pairing);
+    kda_cuda_set_pairing(cu, KDA_CUDA_PAIRING_AUTO);
     kda_cuda_set_split(cu, split);
     printf("-- chains %s\n", what);
     return 0;
 }
-static int split_auto(void **) { return set_split(KDA_CUDA_SPLIT_AUTO, KDA_CUDA_PAIRING_AUTO, "cut when few and long (automatic)"); }
-static int split_always(void **)
-{
-    return set_split(KDA_CUDA_SPLIT_ALWAYS, KDA_CUDA_PAIRING_AUTO, "cut whenever two segments fit, down to 64 tokens");
-}
-static int split_always_solo(void **)
-{
-    return set_split(KDA_CUDA_SPLIT_ALWAYS, KDA_CUDA_PAIRING_OFF, "cut down to 64 tokens, pass 1 a CTA per run");
-}
-static int split_reset(void **)
-{
-    kda_cuda_set_split(cu, KDA_CUDA_SPLIT_AUTO);
-    kda_cuda_set_pairing(cu, KDA_CUDA_PAIRING_AUTO);
-    return 0;
-}
+static int split_auto(void **) { return set_split(KDA_CUDA_SPLIT_AUTO, "cut when few and long (automatic)"); }
+static int split_always(void **) { return set_split(KDA_CUDA_SPLIT_ALWAYS, "cut whenever two segments fit, down to 64 tokens"); }
+static int split_reset(void **) { kda_cuda_set_split(cu, KDA_CUDA_SPLIT_AUTO); return 0; }
 
 int main()
 {
@@ -679,8 +665,7 @@ int main()
         const struct CMUnitTest quick_split[] = {cmocka_unit_test(split_edges)};
         failed = cmocka_run_group_tests_name("one CTA per chain", quick, pairing_off, nullptr) +
                  cmocka_run_group_tests_name("paired chains", quick, pairing_always, nullptr) +
-                 cmocka_run_group_tests_name("split chains", quick_split, split_always, split_reset) +
-                 cmocka_run_group_tests_name("split chains, pass 1 apart", quick_split, split_always_solo, split_reset);
+                 cmocka_run_group_tests_name("split chains", quick_split, split_always, split_reset);
     } else {
         const struct CMUnitTest tests[] = {
             cmocka_unit_test(golden_cases),         cmocka_unit_test(varlen_edges),
@@ -697,9 +682,7 @@ int main()
                  cmocka_run_group_tests_name("one CTA per chain", forced, pairing_off, nullptr) +
                  cmocka_run_group_tests_name("paired chains", forced, pairing_always, nullptr) +
                  cmocka_run_group_tests_name("split chains", split_auto_tests, split_auto, split_reset) +
-                 cmocka_run_group_tests_name("split chains, every cut", split_always_tests, split_always, split_reset) +
-                 cmocka_run_group_tests_name("split chains, pass 1 apart", split_always_tests, split_always_solo,
-                                             split_reset);
+                 cmocka_run_group_tests_name("split chains, every cut", split_always_tests, split_always, split_reset);
     }
     kda_cuda_destroy(cu);
     return failed;
