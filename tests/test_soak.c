@@ -43,8 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon_harness.h"
-#include "kdaclient.h"
+#include "daemon_kdac.h"
 
 #define CLIENTS 12
 #define SLOTS 128 /* >= 8 per client: the slow round's */
@@ -112,20 +111,6 @@ static uint32_t random_len(client *k, uint32_t max)
     return 1 + (uint32_t)(rng_next(&k->rng) % max);
 }
 
-static kdac_seq inline_seq(uint64_t slot, const dh_seq *s, uint16_t *out)
-{
-    kdac_seq q = {0};
-    q.slot = slot;
-    q.len = s->len;
-    q.q = kdac_tensor_inline(s->q);
-    q.k = kdac_tensor_inline(s->k);
-    q.v = kdac_tensor_inline(s->v);
-    q.g = kdac_tensor_inline(s->g);
-    q.beta = kdac_tensor_inline(s->beta);
-    q.out = kdac_output_inline(out);
-    return q;
-}
-
 /* The output of s (run from *state, which advances) against the oracle. */
 static int check_output(client *k, const dh_layer *l, const dh_seq *s, double *state,
                         const uint16_t *out, uint64_t pos, uint64_t want_pos)
@@ -175,7 +160,7 @@ static int chained(client *k, kdac_client *c, const char *name, const dh_layer *
         k->regions += !bad;
     }
     for (int i = 0; i < 2 && !bad; i++) {
-        kdac_seq q = inline_seq(slot, &s[i], out);
+        kdac_seq q = dh_kdac_seq(slot, &s[i], out);
         if (shm) {
             char *base = shm_map.base;
             const uint16_t *src[4] = {s[i].q, s[i].k, s[i].v, s[i].g};
@@ -254,7 +239,7 @@ static int round_vanish(client *k)
     uint16_t *out = malloc(DH_TOKEN_BYTES(1024));
     int rc = kdac_slot_alloc(c, 1, 0, &slot, &err);
     if (!rc) {
-        kdac_seq q = inline_seq(slot, &s, out);
+        kdac_seq q = dh_kdac_seq(slot, &s, out);
         rc = kdac_prefill_send(c, SHARED, &q, 1, ignored, NULL, &err);
     }
     for (int i = 0; !rc && i < 50 && (kdac_client_events(c) & KDAC_WRITABLE); i++) {
@@ -326,7 +311,7 @@ static int round_slow(client *k)
         rc = kdac_slot_alloc(c, N, 0, slots, &err);
     for (int i = 0; !rc && i < N; i++) {
         req[i] = (slow_req){k, 0, 0, 0};
-        kdac_seq q = inline_seq(slots[i], &s, out + (size_t)i * LEN * DH_HEADS * 128);
+        kdac_seq q = dh_kdac_seq(slots[i], &s, out + (size_t)i * LEN * DH_HEADS * 128);
         rc = kdac_prefill_send(c, SHARED, &q, 1, slow_done, &req[i], &err);
     }
     int bad = rc ? failed(k, "slow: send", rc, &err) : 0;
