@@ -23,6 +23,10 @@
  * malloc told to give freed memory back (GLIBC_TUNABLES), so that its RSS
  * follows what it holds, not the peak of many clients at once.
  *
+ * test_idle_trim runs kdad with glibc's malloc as it comes: after a burst
+ * of the same clients its RSS falls back once it has been idle for a
+ * second (it trims its heap then).
+ *
  * KDAD_SOAK_SECONDS sets the duration: 5 by default (CI), 90 for a soak.
  */
 #include <setjmp.h>
@@ -457,41 +461,37 @@ static void touch_pool(dh_client *c, uint32_t slots)
 
 /* ---------------------------------------------------------------------- */
 
-static void test_soak(void **unused)
+/* A daemon with the shared layer registered through *keeper (held throughout:
+ * vanishing clients use it) and a warm-up round of each kind done, so that
+ * later measurements have every thread and buffer; then every slot written
+ * once, so that they count the pool's memory (the cpu backend's pool pages
+ * are touched as slots are first written).  log_level: the daemon's. */
+static void start_warm(dh_daemon *d, dh_client *keeper, const char *log_level)
 {
-    const char *env = getenv("KDAD_SOAK_SECONDS");
-    double seconds = env ? atof(env) : 5;
-    dh_daemon d;
-    dh_client keeper;
     dh_layer l;
     shared_layer(&l);
-    /* glibc returns what kdad frees: large blocks always mapped and unmapped (no
-     * dynamic threshold), arena tops trimmed early; so its RSS follows what it
-     * holds rather than the peak of the run. */
-    setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536:"
-           "glibc.malloc.trim_threshold=131072", 1);
-    char yaml[128];
-    snprintf(yaml, sizeof(yaml), "heads: 4\nslots: %d\ncpu_threads: 2\nlimits:\n"
-             "  max_layers: 64\n", SLOTS);
-    dh_start_or_skip(&d, yaml);
-    dh_connect(&keeper, &d);
-    dh_hello(&keeper);
-    dh_register_layer(&keeper, SHARED, &l); /* held throughout: vanishing clients use it */
-
-    /* warm-up: one round of each kind, so that the baseline has every thread and buffer */
-    client warm = {.sock = d.sock, .index = CLIENTS};
+    char yaml[160];
+    snprintf(yaml, sizeof(yaml), "heads: 4\nslots: %d\ncpu_threads: 2\nlog:\n  level: %s\n"
+             "limits:\n  max_layers: 64\n", SLOTS, log_level);
+    dh_start_or_skip(d, yaml);
+    dh_connect(keeper, d);
+    dh_hello(keeper);
+    dh_register_layer(keeper, SHARED, &l);
+    client warm = {.sock = d->sock, .index = CLIENTS};
     rng_seed(&warm.rng, 99);
     shared_layer(&warm.shared);
     if (round_whole(&warm, false, false) || round_whole(&warm, true, true) ||
         round_slow(&warm) || round_vanish(&warm) || round_half(&warm))
         fail_msg("warm-up: %s", warm.msg);
-    kp_stats_result st = settle(&keeper);
-    touch_pool(&keeper, SLOTS);
-    st = settle(&keeper);
-    long rss0 = rss_kib(d.pid);
-    int fds0 = open_fds(d.pid);
-    assert_true(rss0 > 0 && fds0 > 0);
+    settle(keeper);
+    touch_pool(keeper, SLOTS);
+}
 
+/* CLIENTS client processes against d for `seconds`; total: their counts
+ * (results checked, vanished, half frames, slow readers, regions).  Fails
+ * the test when one of them failed. */
+static void run_clients(const dh_daemon *d, double seconds, uint64_t total[5])
+{
     double deadline = now_s() + seconds;
     pid_t pids[CLIENTS];
     int pipes[CLIENTS];
@@ -503,7 +503,7 @@ static void test_soak(void **unused)
         assert_true(pids[i] >= 0);
         if (pids[i] == 0) {
             close(p[0]);
-            client k = {.sock = d.sock, .index = i};
+            client k = {.sock = d->sock, .index = i};
             rng_seed(&k.rng, 1000 + (uint64_t)i);
             shared_layer(&k.shared);
             int rc = client_main(&k, deadline);
@@ -514,7 +514,7 @@ static void test_soak(void **unused)
         close(p[1]);
         pipes[i] = p[0];
     }
-    uint64_t total[5] = {0};
+    memset(total, 0, 5 * sizeof(total[0]));
     int bad = 0;
     for (int i = 0; i < CLIENTS; i++) {
         char msg[1024];
@@ -536,7 +536,43 @@ static void test_soak(void **unused)
     }
     if (bad)
         fail_msg("%d of %d clients failed", bad, CLIENTS);
+}
 
+/* Drops the keeper's layer (the daemon then has none), closes it and stops d. */
+static void finish(dh_daemon *d, dh_client *keeper)
+{
+    uint32_t id = dh_id(keeper);
+    kp_layer_drop_params dp = {SHARED};
+    assert_int_equal(kp_layer_drop_params_encode(&keeper->w, id, &dp, NULL), KP_OK);
+    dh_send(keeper);
+    dh_expect_result(keeper, id);
+    kp_stats_result st;
+    dh_stats(keeper, &st);
+    assert_int_equal(st.layers, 0);
+    dh_close(keeper);
+    dh_stop(d);
+}
+
+static void test_soak(void **unused)
+{
+    const char *env = getenv("KDAD_SOAK_SECONDS");
+    double seconds = env ? atof(env) : 5;
+    dh_daemon d;
+    dh_client keeper;
+    /* glibc returns what kdad frees: large blocks always mapped and unmapped (no
+     * dynamic threshold), arena tops trimmed early; so its RSS follows what it
+     * holds rather than the peak of the run. */
+    setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536:"
+           "glibc.malloc.trim_threshold=131072", 1);
+    start_warm(&d, &keeper, "notice");
+    unsetenv("GLIBC_TUNABLES");
+    kp_stats_result st = settle(&keeper);
+    long rss0 = rss_kib(d.pid);
+    int fds0 = open_fds(d.pid);
+    assert_true(rss0 > 0 && fds0 > 0);
+
+    uint64_t total[5];
+    run_clients(&d, seconds, total);
     st = settle(&keeper);
     long rss1 = rss_kib(d.pid);
     int fds1 = open_fds(d.pid);
@@ -555,21 +591,61 @@ static void test_soak(void **unused)
     if (rss1 > rss0 + (long)RSS_SLACK_KIB)
         fail_msg("RSS grew from %ld to %ld KiB", rss0, rss1);
 #endif
-    uint32_t id = dh_id(&keeper);
-    kp_layer_drop_params dp = {SHARED};
-    assert_int_equal(kp_layer_drop_params_encode(&keeper.w, id, &dp, NULL), KP_OK);
-    dh_send(&keeper);
-    dh_expect_result(&keeper, id);
-    dh_stats(&keeper, &st);
-    assert_int_equal(st.layers, 0);
-    dh_close(&keeper);
-    dh_stop(&d);
+    finish(&d, &keeper);
+}
+
+/* How many times the daemon's log says it trimmed its heap (debug level). */
+static int trims(const dh_daemon *d)
+{
+    char *log = dh_log(d);
+    int n = 0;
+    for (const char *p = log; (p = strstr(p, "idle: malloc_trim")); p++)
+        n++;
+    free(log);
+    return n;
+}
+
+/* With glibc's malloc as it comes, a burst leaves freed memory in its
+ * arenas; once nothing has happened for a second kdad trims them
+ * (malloc_trim), and its RSS falls back by at least a quarter of what the
+ * burst added (without the trim nothing comes back: the ratio printed is
+ * 1.00). */
+static void test_idle_trim(void **unused)
+{
+    enum { BURST_S = 3, WAIT_MS = 6000 };
+    dh_daemon d;
+    dh_client keeper;
+    start_warm(&d, &keeper, "debug");
+    settle(&keeper);
+    usleep(2500 * 1000); /* idle: the warm-up's memory is trimmed too */
+    long rss0 = rss_kib(d.pid);
+    uint64_t total[5];
+    run_clients(&d, BURST_S, total);
+    settle(&keeper); /* its stats requests keep the daemon from idling meanwhile */
+    long busy = rss_kib(d.pid);
+    int before = trims(&d), waited = 0;
+    for (; waited < WAIT_MS && trims(&d) == before; waited += 100)
+        usleep(100 * 1000);
+    long rss1 = rss_kib(d.pid);
+    double kept = busy > rss0 ? (double)(rss1 - rss0) / (double)(busy - rss0) : 0.0;
+    printf("  RSS idle %ld KiB, after a %d s burst of %d clients %ld KiB, trimmed %d ms later: "
+           "%ld KiB (%.2f of what the burst added)\n", rss0, BURST_S, CLIENTS, busy, waited,
+           rss1, kept);
+    assert_true(waited < WAIT_MS);
+#ifndef UNDER_ASAN /* its allocator is not glibc's */
+    assert_true(busy > rss0);
+    if (kept > 0.75)
+        fail_msg("RSS %ld KiB after the burst, %ld KiB after the trim (idle before: %ld KiB)",
+                 busy, rss1, rss0);
+#endif
+    finish(&d, &keeper);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_soak, dh_teardown),
+        cmocka_unit_test_teardown(test_idle_trim, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
