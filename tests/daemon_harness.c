@@ -665,7 +665,7 @@ uint32_t dh_register_shm(dh_client *c, int fd, uint64_t size)
     return r.region;
 }
 
-void dh_register_layer(dh_client *c, const char *name, const dh_layer *l)
+bool dh_register_layer(dh_client *c, const char *name, const dh_layer *l)
 {
     kp_layer_register_params p = {name, kp_ref_inline(l->A_log, sizeof(l->A_log)),
                                   kp_ref_inline(l->dt_bias, sizeof(l->dt_bias)), l->lower_bound,
@@ -674,6 +674,9 @@ void dh_register_layer(dh_client *c, const char *name, const dh_layer *l)
     assert_int_equal(kp_layer_register_params_encode(&c->w, id, &p, NULL), KP_OK);
     dh_send(c);
     dh_expect_result(c, id);
+    kp_layer_register_result r;
+    assert_int_equal(kp_layer_register_result_decode(&c->msg, &r, NULL), KP_OK);
+    return r.created;
 }
 
 uint32_t dh_send_prefill(dh_client *c, const char *layer, uint64_t slot, const dh_seq *s,

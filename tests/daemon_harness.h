@@ -156,7 +156,8 @@ int dh_memfd(size_t size, bool seal);
 /* Calls that must succeed. */
 void dh_hello(dh_client *c);
 uint64_t dh_alloc(dh_client *c);
-void dh_register_layer(dh_client *c, const char *name, const dh_layer *l);
+/* layer.register; returns its "created". */
+bool dh_register_layer(dh_client *c, const char *name, const dh_layer *l);
 /* region.register_shm of fd (size bytes); returns the region. */
 uint32_t dh_register_shm(dh_client *c, int fd, uint64_t size);
 /* A one-sequence prefill with inline tensors; returns the request id (the

@@ -84,6 +84,24 @@ static void check_oracle(dh_client *c, const dh_layer *l, uint64_t slot, const d
     free(got);
 }
 
+static uint32_t send_drop(dh_client *c, const char *name)
+{
+    kp_layer_drop_params p = {name};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_layer_drop_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    return id;
+}
+
+/* The answer to layer.drop id, which must succeed. */
+static kp_layer_drop_result expect_drop(dh_client *c, uint32_t id)
+{
+    dh_expect_result(c, id);
+    kp_layer_drop_result r;
+    assert_int_equal(kp_layer_drop_result_decode(&c->msg, &r, NULL), KP_OK);
+    return r;
+}
+
 /* ---------------------------------------------------------------------- */
 
 static void test_hello_and_layers(void **unused)
@@ -162,18 +180,16 @@ static void test_hello_and_layers(void **unused)
     assert_string_equal(ll.layers[0].name, "L0");
     assert_int_equal(ll.layers[0].source, KP_LAYER_SOURCE_CLIENT);
 
-    /* registered twice: two drops give the registrations back, a third finds nothing */
-    kp_layer_drop_params dp = {"L0"};
-    for (int i = 0; i < 2; i++) {
-        id = dh_id(&c);
-        assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
-        dh_send(&c);
-        dh_expect_result(&c, id);
+    /* registered twice: two drops give the registrations back, saying what is left; a
+       third finds nothing */
+    for (uint64_t left = 1; left + 1 > 0; left--) {
+        kp_layer_drop_result dr = expect_drop(&c, send_drop(&c, "L0"));
+        assert_true(dr.known);
+        assert_int_equal(dr.registrations, left);
+        assert_int_equal(dr.removed, left == 0);
+        assert_int_equal(dr.in_use, 0);
     }
-    id = dh_id(&c);
-    assert_int_equal(kp_layer_drop_params_encode(&c.w, id, &dp, NULL), KP_OK);
-    dh_send(&c);
-    dh_expect_error(&c, id, KP_E_UNKNOWN_LAYER, "L0");
+    dh_expect_error(&c, send_drop(&c, "L0"), KP_E_UNKNOWN_LAYER, "L0");
     dh_close(&c);
 
     /* The instance stays for the daemon's life. */
@@ -757,29 +773,6 @@ static void test_handles_positions_and_quotas(void **unused)
 }
 
 /* layer.register: created, or false for the same weights again. */
-static bool register_layer(dh_client *c, const char *name, const dh_layer *l)
-{
-    kp_layer_register_params p = {name, kp_ref_inline(l->A_log, sizeof(l->A_log)),
-                                  kp_ref_inline(l->dt_bias, sizeof(l->dt_bias)), l->lower_bound,
-                                  l->scale};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_layer_register_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-    kp_layer_register_result r;
-    assert_int_equal(kp_layer_register_result_decode(&c->msg, &r, NULL), KP_OK);
-    return r.created;
-}
-
-static uint32_t send_drop(dh_client *c, const char *name)
-{
-    kp_layer_drop_params p = {name};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_layer_drop_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    return id;
-}
-
 /*
  * Layers count registrations: two clients (two kdactl runs, two workers of a
  * serving stack) registering the same weights each hold one, and the first
@@ -804,9 +797,11 @@ static void test_layer_registrations(void **unused)
     dh_connect(&b, &d);
     dh_hello(&b);
 
-    assert_true(register_layer(&a, "L", &l));
-    assert_false(register_layer(&b, "L", &l));
-    dh_expect_result(&a, send_drop(&a, "L"));
+    assert_true(dh_register_layer(&a, "L", &l));
+    assert_false(dh_register_layer(&b, "L", &l));
+    kp_layer_drop_result dr = expect_drop(&a, send_drop(&a, "L"));
+    assert_false(dr.removed);
+    assert_int_equal(dr.registrations, 1); /* b's */
     uint64_t slot = dh_alloc(&b);
     uint32_t id = dh_send_prefill(&b, "L", slot, &s, 0);
     assert_int_equal(dh_recv_prefill(&b, id, &s, out), 64);
@@ -821,19 +816,31 @@ static void test_layer_registrations(void **unused)
     dh_send(&a);
     dh_expect_error(&a, id, KP_E_LAYER_EXISTS, "with other weights (registrations: 1)");
 
-    /* a prefill and the last drop pipelined: the prefill keeps its weights */
+    /* the last drop while a prefill that uses the layer waits for its ready word: the name
+       goes, the weights stay with the prefill (the drop says so), which runs with them */
     uint64_t fresh = dh_alloc(&b);
-    id = dh_send_prefill(&b, "L", fresh, &s, 0);
-    uint32_t did = send_drop(&b, "L");
+    int fd = dh_memfd(4096, true);
+    uint64_t *word = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    assert_true(word != MAP_FAILED);
+    kp_sem ready = {true, dh_register_shm(&b, fd, 4096), 0, 1};
+    id = b.semaphores ? dh_send_prefill_ready(&b, "L", fresh, &s, 0, &ready)
+                      : dh_send_prefill(&b, "L", fresh, &s, 0);
+    dr = expect_drop(&b, send_drop(&b, "L"));
+    assert_true(dr.removed);
+    assert_int_equal(dr.registrations, 0);
+    if (b.semaphores) /* (without a ready word the prefill may be done by then) */
+        assert_int_equal(dr.in_use, 1);
+    __atomic_store_n(word, 1, __ATOMIC_RELEASE);
     assert_int_equal(dh_recv_prefill(&b, id, &s, out), 64);
-    dh_expect_result(&b, did);
     check_oracle(&b, &l, fresh, &s, out);
+    munmap(word, 4096);
+    close(fd);
     id = dh_send_prefill(&b, "L", fresh, &s, 64);
     dh_expect_error(&b, id, KP_E_UNKNOWN_LAYER, "no layer \"L\"");
     dh_expect_error(&b, send_drop(&b, "L"), KP_E_UNKNOWN_LAYER, "has no layer \"L\"");
 
     /* now free: other weights may take the name */
-    assert_true(register_layer(&a, "L", &other));
+    assert_true(dh_register_layer(&a, "L", &other));
 
     free(out);
     dh_seq_free(&s);
@@ -861,9 +868,9 @@ static void test_layers_per_uid(void **unused)
     assert_int_equal(a.session.limits.max_layers, 5);
     assert_int_equal(a.session.limits.max_layers_per_uid, 3);
     assert_int_equal(a.session.limits.max_slots_per_uid, 64); /* 0 in the file: the pool */
-    assert_true(register_layer(&a, "L0", &l));
-    assert_true(register_layer(&a, "L1", &l));
-    assert_true(register_layer(&b, "L2", &l));
+    assert_true(dh_register_layer(&a, "L0", &l));
+    assert_true(dh_register_layer(&a, "L1", &l));
+    assert_true(dh_register_layer(&b, "L2", &l));
     kp_layer_register_params lp = {"L3", kp_ref_inline(l.A_log, sizeof(l.A_log)),
                                    kp_ref_inline(l.dt_bias, sizeof(l.dt_bias)), l.lower_bound,
                                    l.scale};
@@ -871,7 +878,7 @@ static void test_layers_per_uid(void **unused)
     assert_int_equal(kp_layer_register_params_encode(&b.w, id, &lp, NULL), KP_OK);
     dh_send(&b);
     dh_expect_error(&b, id, KP_E_QUOTA_EXCEEDED, "holds 3 layers, limits.max_layers_per_uid");
-    assert_false(register_layer(&b, "L2", &l)); /* another registration is not another layer */
+    assert_false(dh_register_layer(&b, "L2", &l)); /* another registration is not another layer */
     kp_stats_result st;
     dh_stats(&a, &st); /* what the uid holds: in stats */
     assert_true(st.has_uid);
@@ -881,7 +888,7 @@ static void test_layers_per_uid(void **unused)
     assert_int_equal(st.layers, 3);
     /* a name given back is room again */
     dh_expect_result(&a, send_drop(&a, "L0"));
-    assert_true(register_layer(&b, "L3", &l));
+    assert_true(dh_register_layer(&b, "L3", &l));
     dh_close(&a);
     dh_close(&b);
     dh_stop(&d);
