@@ -75,6 +75,8 @@ struct kd_daemon {
     bool signals_on;
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t housekeeping;
+    uint64_t last_work_ms;     /* loop time of the last frame or engine pump */
+    bool trim_due;             /* work since the heap was last trimmed */
     uv_timer_t metrics;
     bool metrics_writing;      /* a metrics file write is on a worker */
     bool watchdog_on;

@@ -66,6 +66,8 @@
 /* Shutdown and housekeeping */
 #define KD_DEFAULT_DRAIN_TIMEOUT_MS 30000u       /* drain_timeout_ms: then queued requests get SHUTTING_DOWN */
 #define KD_HOUSEKEEPING_MS 1000u                 /* fixed: output soft-limit checks */
+#define KD_IDLE_TRIM_MS 1000u                    /* fixed: freed heap goes back to the system
+                                                    this long after the last work */
 #define KD_DEFAULT_METRICS_INTERVAL_MS 10000u    /* metrics.interval_ms */
 
 /* CUDA backend */

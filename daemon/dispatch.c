@@ -191,16 +191,19 @@ static void do_layer_drop(kd_req *r)
 {
     kd_client *c = r->client;
     kp_layer_drop_params p;
+    kp_layer_drop_result res;
     kp_error e;
-    bool removed;
     if (kp_layer_drop_params_decode(&r->msg, &c->session, &p, &e) != KP_OK ||
-        kd_layers_drop(&c->d->layers, p.name, c->peer.uid, &removed, &e) != KP_OK) {
+        kd_layers_drop(&c->d->layers, p.name, c->peer.uid, &res, &e) != KP_OK) {
         kd_req_fail(r, &e);
         return;
     }
-    if (removed)
-        KD_INFO("layer %s: dropped by uid %u", p.name, (unsigned)c->peer.uid);
-    kd_req_reply_empty(r);
+    if (res.removed)
+        KD_INFO("layer %s: dropped by uid %u (%u requests still use its weights)", p.name,
+                (unsigned)c->peer.uid, res.in_use);
+    kd_out *o = kd_req_frame(r);
+    if (o)
+        kd_req_reply(r, o, kp_layer_drop_result_encode(&o->w, r->id, &res, &e), &e);
 }
 
 static void do_slot_alloc(kd_req *r)

@@ -183,7 +183,8 @@ int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const
     return rc;
 }
 
-int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, bool *removed, kp_error *err)
+int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, kp_layer_drop_result *out,
+                   kp_error *err)
 {
     for (uint32_t i = 0; i < ls->n; i++) {
         kd_layer *l = ls->v[i];
@@ -192,8 +193,10 @@ int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, bool *removed,
         if (l->source == KP_LAYER_SOURCE_CONFIG)
             return kp_fail(err, KP_E_PERMISSION_DENIED, "name: layer \"%s\" comes from the "
                            "daemon's configuration", name);
-        *removed = --l->regs == 0;
-        if (*removed)
+        l->regs--;
+        *out = (kp_layer_drop_result){.known = true, .removed = l->regs == 0,
+                                      .registrations = l->regs, .in_use = l->refs - 1};
+        if (out->removed)
             unregister(ls, i);
         return KP_OK;
     }

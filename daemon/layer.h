@@ -91,10 +91,11 @@ int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const
                        bool *created, kp_error *err);
 
 /* layer.drop by a client of uid: gives back one registration of uid's layer
- * (the name goes with the last; *removed says so).  KP_E_PERMISSION_DENIED
- * for the configuration's layers, KP_E_UNKNOWN_LAYER when uid has no layer
- * of that name (another uid's does not count). */
-int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, bool *removed, kp_error *err);
+ * (the name goes with the last); *out says what is left (its answer).
+ * KP_E_PERMISSION_DENIED for the configuration's layers, KP_E_UNKNOWN_LAYER
+ * when uid has no layer of that name (another uid's does not count). */
+int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, kp_layer_drop_result *out,
+                   kp_error *err);
 
 void kd_layer_ref(kd_layer *l);
 void kd_layer_unref(kd_layers *ls, kd_layer *l);

@@ -658,6 +658,14 @@ typedef struct kp_layer_drop_params {
     const char *name;
 } kp_layer_drop_params;
 
+typedef struct kp_layer_drop_result {
+    bool known;             /* the fields below are present (daemons before them answer {}) */
+    bool removed;           /* that was the uid's last registration: the name is gone */
+    uint64_t registrations; /* the uid's registrations left (0 when removed) */
+    uint32_t in_use;        /* admitted requests still using the weights; once removed, the
+                               weights' memory goes when the last of them finishes (now: 0) */
+} kp_layer_drop_result;
+
 int kp_layer_register_params_encode(kp_writer *w, uint32_t id, const kp_layer_register_params *p,
                                     kp_error *err);
 int kp_layer_register_params_decode(kp_msg *msg, const kp_session *s, kp_layer_register_params *p,
@@ -676,7 +684,9 @@ int kp_layer_drop_params_encode(kp_writer *w, uint32_t id, const kp_layer_drop_p
                                 kp_error *err);
 int kp_layer_drop_params_decode(kp_msg *msg, const kp_session *s, kp_layer_drop_params *p,
                                 kp_error *err);
-/* result: kp_empty_result_* */
+int kp_layer_drop_result_encode(kp_writer *w, uint32_t id, const kp_layer_drop_result *r,
+                                kp_error *err);
+int kp_layer_drop_result_decode(kp_msg *msg, kp_layer_drop_result *r, kp_error *err);
 
 /* ------------------------------------------------------------------------ */
 /* slot.*                                                                    */

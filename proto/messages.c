@@ -887,6 +887,29 @@ int kp_layer_drop_params_decode(kp_msg *msg, const kp_session *s, kp_layer_drop_
     return check_layer_name(p->name, err);
 }
 
+int kp_layer_drop_result_encode(kp_writer *w, uint32_t id, const kp_layer_drop_result *r,
+                                kp_error *err)
+{
+    enc_result(w, id, 3);
+    enc_kv_bool(w, "removed", r->removed);
+    enc_kv_u64(w, "registrations", r->registrations);
+    enc_kv_u64(w, "in_use", r->in_use);
+    return enc_finish(w, err);
+}
+
+int kp_layer_drop_result_decode(kp_msg *msg, kp_layer_drop_result *r, kp_error *err)
+{
+    static const char *const names[] = {"removed", "registrations", "in_use", NULL};
+    dec_fields f;
+    memset(r, 0, sizeof(*r));
+    int rc = dec_result(&f, msg, names, err);
+    if (rc || (rc = dec_bool(&f, "removed", &r->removed, &r->known, err)) || !r->known)
+        return rc;
+    if ((rc = dec_u64(&f, "registrations", 0, UINT64_MAX, &r->registrations, NULL, err)))
+        return rc;
+    return dec_u32(&f, "in_use", 0, UINT32_MAX, &r->in_use, NULL, err);
+}
+
 /* ---------------------------------------------------------------------- */
 /* region.register_shm, region.register_cuda, region.release              */
 /* ---------------------------------------------------------------------- */

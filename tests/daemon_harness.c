@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -451,7 +452,8 @@ void dh_write(dh_client *c, const void *bytes, size_t n)
     assert_true(write_all(c, bytes, n));
 }
 
-bool dh_try_send(dh_client *c)
+/* dh_send that returns false, instead of failing, if kdad has closed the connection. */
+static bool dh_try_send(dh_client *c)
 {
     uint8_t *frame;
     size_t len;
@@ -622,6 +624,19 @@ void dh_hello(dh_client *c)
     assert_int_equal(kp_hello_result_decode(&c->msg, &r, NULL), KP_OK);
     kp_session_from_hello(&c->session, &r);
     assert_int_equal(r.geometry.heads, DH_HEADS);
+    c->semaphores = false;
+    for (uint32_t i = 0; i < r.nfeatures; i++)
+        c->semaphores |= strcmp(r.features[i], KP_FEATURE_PREFILL_SEMAPHORES) == 0;
+}
+
+int dh_memfd(size_t size, bool seal)
+{
+    int fd = memfd_create("kdad-test", MFD_ALLOW_SEALING | MFD_CLOEXEC);
+    assert_true(fd >= 0);
+    assert_int_equal(ftruncate(fd, (off_t)size), 0);
+    if (seal)
+        assert_int_equal(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    return fd;
 }
 
 uint64_t dh_alloc(dh_client *c)
@@ -637,7 +652,20 @@ uint64_t dh_alloc(dh_client *c)
     return r.slots[0];
 }
 
-void dh_register_layer(dh_client *c, const char *name, const dh_layer *l)
+uint32_t dh_register_shm(dh_client *c, int fd, uint64_t size)
+{
+    kp_region_register_shm_params p = {size};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_region_register_shm_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send_fd(c, fd);
+    dh_expect_result(c, id);
+    kp_region_register_result r;
+    assert_int_equal(kp_region_register_result_decode(&c->msg, &r, NULL), KP_OK);
+    assert_true(r.region >= 1);
+    return r.region;
+}
+
+bool dh_register_layer(dh_client *c, const char *name, const dh_layer *l)
 {
     kp_layer_register_params p = {name, kp_ref_inline(l->A_log, sizeof(l->A_log)),
                                   kp_ref_inline(l->dt_bias, sizeof(l->dt_bias)), l->lower_bound,
@@ -646,10 +674,19 @@ void dh_register_layer(dh_client *c, const char *name, const dh_layer *l)
     assert_int_equal(kp_layer_register_params_encode(&c->w, id, &p, NULL), KP_OK);
     dh_send(c);
     dh_expect_result(c, id);
+    kp_layer_register_result r;
+    assert_int_equal(kp_layer_register_result_decode(&c->msg, &r, NULL), KP_OK);
+    return r.created;
 }
 
 uint32_t dh_send_prefill(dh_client *c, const char *layer, uint64_t slot, const dh_seq *s,
                          int64_t expect_pos)
+{
+    return dh_send_prefill_ready(c, layer, slot, s, expect_pos, NULL);
+}
+
+uint32_t dh_send_prefill_ready(dh_client *c, const char *layer, uint64_t slot, const dh_seq *s,
+                               int64_t expect_pos, const kp_sem *ready)
 {
     kp_prefill_seq q;
     memset(&q, 0, sizeof(q));
@@ -665,6 +702,8 @@ uint32_t dh_send_prefill(dh_client *c, const char *layer, uint64_t slot, const d
         q.beta = kp_ref_inline(s->beta, DH_BETA_BYTES(s->len));
     }
     kp_prefill_params p = {.layer = layer, .seqs = &q, .nseqs = 1};
+    if (ready)
+        p.ready = *ready;
     uint32_t id = dh_id(c);
     kp_error e;
     if (kp_prefill_params_encode(&c->w, id, &p, &e) != KP_OK)

@@ -113,6 +113,7 @@ typedef struct dh_client {
     } held[DH_HELD_MAX];
     int nheld;
     kp_ring *ring;      /* dh_attach_ring: frames go through it, the socket rings */
+    bool semaphores;    /* hello announced KP_FEATURE_PREFILL_SEMAPHORES */
 } dh_client;
 
 void dh_connect(dh_client *c, const dh_daemon *d);
@@ -123,8 +124,6 @@ uint32_t dh_id(dh_client *c);
 void dh_write(dh_client *c, const void *bytes, size_t n);
 void dh_send(dh_client *c);
 void dh_send_fd(dh_client *c, int fd);
-/* dh_send that returns false, instead of failing, if kdad has closed the connection. */
-bool dh_try_send(dh_client *c);
 /* Writes raw bytes, passing fd with the first of them. */
 void dh_write_fd(dh_client *c, const void *bytes, size_t n, int fd);
 
@@ -151,14 +150,23 @@ void dh_expect_error(dh_client *c, uint32_t id, int code, const char *substr);
 /* The next frame is a goodbye with code (message containing substr), then EOF. */
 void dh_expect_goodbye(dh_client *c, int code, const char *substr);
 
+/* A memfd of size bytes, sealed against shrinking if seal (as kdad requires). */
+int dh_memfd(size_t size, bool seal);
+
 /* Calls that must succeed. */
 void dh_hello(dh_client *c);
 uint64_t dh_alloc(dh_client *c);
-void dh_register_layer(dh_client *c, const char *name, const dh_layer *l);
+/* layer.register; returns its "created". */
+bool dh_register_layer(dh_client *c, const char *name, const dh_layer *l);
+/* region.register_shm of fd (size bytes); returns the region. */
+uint32_t dh_register_shm(dh_client *c, int fd, uint64_t size);
 /* A one-sequence prefill with inline tensors; returns the request id (the
  * caller reads the response).  expect_pos < 0: none. */
 uint32_t dh_send_prefill(dh_client *c, const char *layer, uint64_t slot, const dh_seq *s,
                          int64_t expect_pos);
+/* dh_send_prefill with a ready word (PROTOCOL.md §Stream-ordered requests). */
+uint32_t dh_send_prefill_ready(dh_client *c, const char *layer, uint64_t slot, const dh_seq *s,
+                               int64_t expect_pos, const kp_sem *ready);
 /* Reads the response to a one-sequence prefill: copies its output (if out)
  * and returns the slot position. */
 uint64_t dh_recv_prefill(dh_client *c, uint32_t id, const dh_seq *s, uint16_t *out);

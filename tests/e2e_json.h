@@ -7,6 +7,7 @@
 #ifndef E2E_JSON_H
 #define E2E_JSON_H
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -33,6 +34,20 @@ static inline json_object *json_out(const cmd_result *r)
     json_object *o = json_tokener_parse(r->out);
     if (!o)
         fail_msg("stdout is not JSON:\n%s\nstderr:\n%s", r->out, r->err);
+    return o;
+}
+
+/* kdactl --socket sock --json ARGS... (NULL-terminated), which must exit 0:
+ * its stdout as JSON (the caller puts it). */
+static inline json_object *kdactl_json(const char *sock, ...)
+{
+    va_list ap;
+    va_start(ap, sock);
+    cmd_result r = kdactl_v(sock, "--json", ap);
+    va_end(ap);
+    expect_exit(&r, 0);
+    json_object *o = json_out(&r);
+    cmd_free(&r);
     return o;
 }
 

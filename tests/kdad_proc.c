@@ -187,18 +187,26 @@ cmd_result cmd_run(char *const argv[])
     return r;
 }
 
-cmd_result kdactl(const char *sock, ...)
+cmd_result kdactl_v(const char *sock, const char *first, va_list ap)
 {
     char *argv[64] = {(char *)build_path("client/kdactl"), "--socket", (char *)sock};
     int n = 3;
-    va_list ap;
-    va_start(ap, sock);
+    if (first)
+        argv[n++] = (char *)first;
     const char *a;
     while ((a = va_arg(ap, const char *)) && n < 63)
         argv[n++] = (char *)a;
-    va_end(ap);
     argv[n] = NULL;
     return cmd_run(argv);
+}
+
+cmd_result kdactl(const char *sock, ...)
+{
+    va_list ap;
+    va_start(ap, sock);
+    cmd_result r = kdactl_v(sock, NULL, ap);
+    va_end(ap);
+    return r;
 }
 
 void cmd_free(cmd_result *r)

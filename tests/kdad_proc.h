@@ -6,6 +6,7 @@
 #ifndef KDAD_PROC_H
 #define KDAD_PROC_H
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <sys/types.h>
 
@@ -36,6 +37,8 @@ typedef struct cmd_result {
 cmd_result cmd_run(char *const argv[]);
 /* Runs build/client/kdactl --socket SOCK ARGS... (NULL-terminated). */
 cmd_result kdactl(const char *sock, ...);
+/* The same with first (NULL: none) before the ARGS of ap. */
+cmd_result kdactl_v(const char *sock, const char *first, va_list ap);
 void cmd_free(cmd_result *r);
 
 /* A path inside the build folder (KDAD_BUILD_DIR/rel), in a static buffer

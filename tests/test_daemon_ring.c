@@ -23,8 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon_harness.h"
-#include "kdaclient.h"
+#include "daemon_kdac.h"
 
 static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n"
                            "limits:\n  max_regions_per_client: 3\n";
@@ -32,22 +31,6 @@ static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: 
 /* ---------------------------------------------------------------------- */
 /* libkdaclient over the ring                                             */
 /* ---------------------------------------------------------------------- */
-
-static kdac_client *open_client(const dh_daemon *d, const dh_layer *l)
-{
-    kdac_options o;
-    kdac_options_init(&o);
-    o.socket_path = d->sock;
-    o.timeout_ms = 60000;
-    kdac_client *c = NULL;
-    kdac_error err;
-    if (kdac_client_open(&c, &o, &err) != KDAC_OK)
-        fail_msg("open: %s", err.message);
-    kdac_layer layer = {"L", l->A_log, l->dt_bias, l->lower_bound, l->scale};
-    if (kdac_layer_register(c, &layer, NULL, &err) != KDAC_OK)
-        fail_msg("layer.register: %s", err.message);
-    return c;
-}
 
 /* A daemon, and the layer every libkdaclient test registers on it. */
 static void start_with_layer(dh_daemon *d, test_rng *r, dh_layer *l)
@@ -62,30 +45,6 @@ static void attach(kdac_client *c, uint64_t bytes_per_direction)
     kdac_error err;
     if (kdac_ring_attach(c, bytes_per_direction, &err) != KDAC_OK)
         fail_msg("ring.attach: %s", err.message);
-}
-
-static uint64_t alloc(kdac_client *c)
-{
-    uint64_t slot;
-    kdac_error err;
-    if (kdac_slot_alloc(c, 1, 0, &slot, &err) != KDAC_OK)
-        fail_msg("slot.alloc: %s", err.message);
-    return slot;
-}
-
-static kdac_seq inline_seq(uint64_t slot, const dh_seq *s, uint16_t *out)
-{
-    kdac_seq q;
-    memset(&q, 0, sizeof(q));
-    q.slot = slot;
-    q.len = s->len;
-    q.q = kdac_tensor_inline(s->q);
-    q.k = kdac_tensor_inline(s->k);
-    q.v = kdac_tensor_inline(s->v);
-    q.g = kdac_tensor_inline(s->g);
-    q.beta = kdac_tensor_inline(s->beta);
-    q.out = kdac_output_inline(out);
-    return q;
 }
 
 static void prefill(kdac_client *c, const kdac_seq *q)
@@ -130,20 +89,20 @@ static void test_ring_matches_socket(void **unused)
     test_rng r;
     dh_layer l;
     start_with_layer(&d, &r, &l);
-    kdac_client *sock = open_client(&d, &l), *ring = open_client(&d, &l);
+    kdac_client *sock = dh_kdac_open(&d, &l), *ring = dh_kdac_open(&d, &l);
     kdac_error err;
     attach(ring, 4096);
     assert_int_equal(kdac_ring_attach(ring, 4096, &err), KDAC_E_INVALID_ARGUMENT);
 
     static const uint32_t lens[] = {1, 37, 300, 64, 1, 129};
-    uint64_t s_slot = alloc(sock), r_slot = alloc(ring);
+    uint64_t s_slot = dh_kdac_alloc(sock), r_slot = dh_kdac_alloc(ring);
     for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
         if (i == 3)
             assert_int_equal(kdac_client_set_spin(ring, 100000, &err), KDAC_OK);
         dh_seq s;
         dh_seq_make(&s, &r, lens[i]);
         uint16_t *a = malloc(DH_TOKEN_BYTES(s.len)), *b = malloc(DH_TOKEN_BYTES(s.len));
-        kdac_seq qa = inline_seq(s_slot, &s, a), qb = inline_seq(r_slot, &s, b);
+        kdac_seq qa = dh_kdac_seq(s_slot, &s, a), qb = dh_kdac_seq(r_slot, &s, b);
         prefill(sock, &qa);
         prefill(ring, &qb);
         assert_memory_equal(a, b, DH_TOKEN_BYTES(s.len));
@@ -182,7 +141,7 @@ static void test_ring_matches_socket(void **unused)
     qr.beta = kdac_tensor_region(region, 5 * tok);
     qr.out = kdac_output_region(region, 4 * tok);
     uint16_t *a = malloc(tok);
-    kdac_seq qa = inline_seq(s_slot, &s, a);
+    kdac_seq qa = dh_kdac_seq(s_slot, &s, a);
     prefill(sock, &qa);
     prefill(ring, &qr);
     assert_memory_equal(a, m + 4 * tok, tok);
@@ -195,9 +154,9 @@ static void test_ring_matches_socket(void **unused)
     uint16_t *outs[N];
     int done = 0;
     for (int i = 0; i < N; i++) {
-        slots[i] = alloc(ring);
+        slots[i] = dh_kdac_alloc(ring);
         outs[i] = malloc(tok);
-        kdac_seq q = inline_seq(slots[i], &s, outs[i]);
+        kdac_seq q = dh_kdac_seq(slots[i], &s, outs[i]);
         assert_int_equal(kdac_prefill_send(ring, "L", &q, 1, counting_cb, &done, &err), KDAC_OK);
     }
     for (int spins = 0; done < N && spins < 6000; spins++) {
@@ -209,8 +168,8 @@ static void test_ring_matches_socket(void **unused)
     }
     assert_int_equal(done, N);
     uint16_t *first = malloc(tok);
-    uint64_t fresh = alloc(sock);
-    kdac_seq qf = inline_seq(fresh, &s, first);
+    uint64_t fresh = dh_kdac_alloc(sock);
+    kdac_seq qf = dh_kdac_seq(fresh, &s, first);
     prefill(sock, &qf);
     for (int i = 0; i < N; i++) {
         assert_memory_equal(first, outs[i], tok);
@@ -424,7 +383,7 @@ static void test_ring_released_on_close(void **unused)
     test_rng r;
     dh_layer l;
     start_with_layer(&d, &r, &l);
-    kdac_client *c = open_client(&d, &l);
+    kdac_client *c = dh_kdac_open(&d, &l);
     attach(c, 0);
     assert_true(kdad_maps(&d, "kdac-ring"));
     kdac_client_close(c);
@@ -435,12 +394,12 @@ static void test_ring_released_on_close(void **unused)
             nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
     }
     assert_true(gone);
-    c = open_client(&d, &l);
+    c = dh_kdac_open(&d, &l);
     attach(c, 0);
-    uint64_t slot = alloc(c);
+    uint64_t slot = dh_kdac_alloc(c);
     dh_seq s;
     dh_seq_make(&s, &r, 3);
-    kdac_seq q = inline_seq(slot, &s, NULL);
+    kdac_seq q = dh_kdac_seq(slot, &s, NULL);
     prefill(c, &q);
     dh_seq_free(&s);
     kdac_client_close(c);
@@ -459,17 +418,17 @@ static void test_ring_doorbells_only(void **unused)
     rng_seed(&r, 7);
     dh_layer l;
     dh_layer_make(&l, &r);
-    kdac_client *sock = open_client(&d, &l), *ring = open_client(&d, &l);
+    kdac_client *sock = dh_kdac_open(&d, &l), *ring = dh_kdac_open(&d, &l);
     assert_int_equal(stats(sock)->rings, 0);
     attach(ring, 4096);
     assert_int_equal(stats(sock)->rings, 1);
-    uint64_t a = alloc(sock), b = alloc(ring);
+    uint64_t a = dh_kdac_alloc(sock), b = dh_kdac_alloc(ring);
     uint64_t rung = 0;
     for (int i = 0; i < 4; i++) {
         dh_seq s;
         dh_seq_make(&s, &r, i % 2 ? 200 : 3);
         uint16_t *x = malloc(DH_TOKEN_BYTES(s.len)), *y = malloc(DH_TOKEN_BYTES(s.len));
-        kdac_seq qa = inline_seq(a, &s, x), qb = inline_seq(b, &s, y);
+        kdac_seq qa = dh_kdac_seq(a, &s, x), qb = dh_kdac_seq(b, &s, y);
         prefill(sock, &qa);
         if (i < 2) {
             prefill(ring, &qb);

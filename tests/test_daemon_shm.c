@@ -11,7 +11,6 @@
 
 #include <cmocka.h>
 
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,16 +22,6 @@
 static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n"
                            "limits:\n  max_regions_per_client: 3\n";
 
-static int memfd(size_t size, bool seal)
-{
-    int fd = memfd_create("kdad-test", MFD_ALLOW_SEALING | MFD_CLOEXEC);
-    assert_true(fd >= 0);
-    assert_int_equal(ftruncate(fd, (off_t)size), 0);
-    if (seal)
-        assert_int_equal(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
-    return fd;
-}
-
 static uint32_t send_register(dh_client *c, uint64_t size, int fd)
 {
     kp_region_register_shm_params p = {size};
@@ -43,16 +32,6 @@ static uint32_t send_register(dh_client *c, uint64_t size, int fd)
     else
         dh_send(c);
     return id;
-}
-
-static uint32_t register_region(dh_client *c, int fd, uint64_t size)
-{
-    uint32_t id = send_register(c, size, fd);
-    dh_expect_result(c, id);
-    kp_region_register_result r;
-    assert_int_equal(kp_region_register_result_decode(&c->msg, &r, NULL), KP_OK);
-    assert_true(r.region >= 1);
-    return r.region;
 }
 
 static uint32_t send_release(dh_client *c, uint32_t region)
@@ -144,12 +123,12 @@ static void test_shm_matches_inline(void **unused)
     layout lay = plan(77, 0);
     uint64_t state_off = (lay.size + 15) / 16 * 16;
     uint64_t size = state_off + 2 * DH_STATE_ELEMS * 4;
-    int fd = memfd(size, true);
+    int fd = dh_memfd(size, true);
     uint8_t *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     assert_true(map != MAP_FAILED);
     fill(map, &lay, &s);
     memset(map + lay.off[KP_TENSOR_OUT], 0xff, DH_TOKEN_BYTES(77)); /* poison */
-    uint32_t region = register_region(&c, fd, size);
+    uint32_t region = dh_register_shm(&c, fd, size);
     close(fd); /* the daemon keeps its own mapping */
 
     kp_prefill_seq q = region_seq(a, region, &lay, 77, true);
@@ -224,7 +203,7 @@ static void run_chain(const char *cfg, const dh_seq *s, uint32_t split, uint16_t
     layout lay[2] = {plan(lens[0], 0), {{0}, 0}};
     lay[1] = plan(lens[1], (lay[0].size + 4095) / 4096 * 4096);
     uint64_t size = lay[1].size;
-    int fd = memfd(size, true);
+    int fd = dh_memfd(size, true);
     uint8_t *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     assert_true(map != MAP_FAILED);
     dh_seq part[2] = {dh_seq_slice(s, 0, lens[0]), dh_seq_slice(s, lens[0], lens[1])};
@@ -232,7 +211,7 @@ static void run_chain(const char *cfg, const dh_seq *s, uint32_t split, uint16_t
         fill(map, &lay[i], &part[i]);
         memset(map + lay[i].off[KP_TENSOR_OUT], 0xff, DH_TOKEN_BYTES(lens[i])); /* poison */
     }
-    uint32_t region = register_region(&c, fd, size);
+    uint32_t region = dh_register_shm(&c, fd, size);
     close(fd);
     *out = malloc(DH_TOKEN_BYTES(s->len));
     for (int i = 0; i < 2; i++) {
@@ -293,8 +272,8 @@ static void test_shm_hostile_references(void **unused)
     setup_client(&c, &d, &l, &r);
     uint64_t a = dh_alloc(&c);
     layout lay = plan(10, 0);
-    int fd = memfd(lay.size, true);
-    uint32_t region = register_region(&c, fd, lay.size);
+    int fd = dh_memfd(lay.size, true);
+    uint32_t region = dh_register_shm(&c, fd, lay.size);
     close(fd);
 
     kp_prefill_seq q = region_seq(a, region, &lay, 10, true);
@@ -338,11 +317,11 @@ static void test_shm_registration_refused(void **unused)
     dh_connect(&c, &d);
     dh_hello(&c);
 
-    int fd = memfd(4096, false);
+    int fd = dh_memfd(4096, false);
     uint32_t id = send_register(&c, 4096, fd);
     dh_expect_error(&c, id, KP_E_REGION_INVALID, "F_SEAL_SHRINK");
     close(fd);
-    fd = memfd(4096, true);
+    fd = dh_memfd(4096, true);
     id = send_register(&c, 8192, fd);
     dh_expect_error(&c, id, KP_E_REGION_INVALID, "holds 4096");
     close(fd);
@@ -372,7 +351,7 @@ static void test_shm_registration_refused(void **unused)
     static const uint8_t bad[] = {0, 0, 0, 27, 0x94, 0, 77, 0xb3, 'r', 'e', 'g', 'i', 'o', 'n',
                                   '.', 'r', 'e', 'g', 'i', 's', 't', 'e', 'r', '_', 's', 'h',
                                   'm', 0x81, 0xa1, 'x', 1};
-    fd = memfd(4096, true);
+    fd = dh_memfd(4096, true);
     dh_write_fd(&c, bad, sizeof(bad), fd);
     close(fd);
     dh_expect_error(&c, 77, KP_E_INVALID_PARAMS, "unknown field \"x\"");
@@ -381,11 +360,11 @@ static void test_shm_registration_refused(void **unused)
 
     /* max_regions_per_client: 3 */
     for (int i = 0; i < 3; i++) {
-        fd = memfd(4096, true);
-        register_region(&c, fd, 4096);
+        fd = dh_memfd(4096, true);
+        dh_register_shm(&c, fd, 4096);
         close(fd);
     }
-    fd = memfd(4096, true);
+    fd = dh_memfd(4096, true);
     id = send_register(&c, 4096, fd);
     dh_expect_error(&c, id, KP_E_QUOTA_EXCEEDED, "max_regions_per_client 3");
     close(fd);
@@ -396,7 +375,7 @@ static void test_shm_registration_refused(void **unused)
     dh_connect(&c, &d);
     dh_hello(&c);
     for (int i = 0; i < 5; i++) {
-        fd = memfd(16, true);
+        fd = dh_memfd(16, true);
         id = dh_id(&c);
         assert_int_equal(kp_health_params_encode(&c.w, id, NULL), KP_OK);
         dh_send_fd(&c, fd);
@@ -422,11 +401,11 @@ static void test_shm_release_and_lifetime(void **unused)
     dh_seq_make(&s, &r, 3000);
     uint64_t a = dh_alloc(&c);
     layout lay = plan(3000, 0);
-    int fd = memfd(lay.size, true);
+    int fd = dh_memfd(lay.size, true);
     uint8_t *map = mmap(NULL, lay.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     assert_true(map != MAP_FAILED);
     fill(map, &lay, &s);
-    uint32_t region = register_region(&c, fd, lay.size);
+    uint32_t region = dh_register_shm(&c, fd, lay.size);
     close(fd);
 
     /* released while a request uses it: the release is answered after it */
@@ -441,8 +420,8 @@ static void test_shm_release_and_lifetime(void **unused)
     dh_expect_error(&c, id, KP_E_REGION_INVALID, "region: ");
 
     /* a connection's regions die with it */
-    fd = memfd(4096, true);
-    register_region(&c, fd, 4096);
+    fd = dh_memfd(4096, true);
+    dh_register_shm(&c, fd, 4096);
     close(fd);
     dh_connect(&watcher, &d);
     dh_hello(&watcher);

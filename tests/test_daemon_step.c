@@ -23,7 +23,6 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -382,27 +381,6 @@ static void test_step_mixed(void **unused)
     finish(&d, &c);
 }
 
-static int memfd(size_t size)
-{
-    int fd = memfd_create("kdad-step", MFD_ALLOW_SEALING | MFD_CLOEXEC);
-    assert_true(fd >= 0);
-    assert_int_equal(ftruncate(fd, (off_t)size), 0);
-    assert_int_equal(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
-    return fd;
-}
-
-static uint32_t register_region(dh_client *c, int fd, uint64_t size)
-{
-    kp_region_register_shm_params p = {size};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_region_register_shm_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send_fd(c, fd);
-    dh_expect_result(c, id);
-    kp_region_register_result r;
-    assert_int_equal(kp_region_register_result_decode(&c->msg, &r, NULL), KP_OK);
-    return r.region;
-}
-
 /*
  * Speculative decoding: a draft of K tokens keeps the state after each token
  * in a region; accepting J of them is one slot.write of entry J - 1 (with
@@ -426,10 +404,10 @@ static void test_step_rollback(void **unused)
     uint64_t spec = fork_slot(&c, root), ref = fork_slot(&c, root);
     /* the region: K states (f32 pool), then the draft's output */
     const size_t states_bytes = K * STATE_F32, size = states_bytes + DH_TOKEN_BYTES(K);
-    int fd = memfd(size);
+    int fd = dh_memfd(size, true);
     uint8_t *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     assert_true(map != MAP_FAILED);
-    uint32_t region = register_region(&c, fd, size);
+    uint32_t region = dh_register_shm(&c, fd, size);
     close(fd);
 
     step_req q = {.n = 1, .s = &draft};

@@ -29,8 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon_harness.h"
-#include "kdaclient.h"
+#include "daemon_kdac.h"
 
 #ifdef DH_BACKEND_IS_CUDA
 #include <cuda.h>
@@ -62,22 +61,6 @@ typedef struct fixture {
     uint32_t region;
 } fixture;
 
-static kdac_client *open_client(const dh_daemon *d, const dh_layer *l)
-{
-    kdac_options o;
-    kdac_options_init(&o);
-    o.socket_path = d->sock;
-    o.timeout_ms = 60000;
-    kdac_client *c = NULL;
-    kdac_error err;
-    if (kdac_client_open(&c, &o, &err) != KDAC_OK)
-        fail_msg("open: %s", err.message);
-    kdac_layer layer = {"L", l->A_log, l->dt_bias, l->lower_bound, l->scale};
-    if (kdac_layer_register(c, &layer, NULL, &err) != KDAC_OK)
-        fail_msg("layer.register: %s", err.message);
-    return c;
-}
-
 static void add_region(kdac_client *c, kdac_shm *shm, uint32_t *region)
 {
     kdac_error err;
@@ -92,7 +75,7 @@ static void setup(fixture *f)
     dh_start_or_skip(&f->d, yaml);
     rng_seed(&f->rng, 77);
     dh_layer_make(&f->layer, &f->rng);
-    f->c = open_client(&f->d, &f->layer);
+    f->c = dh_kdac_open(&f->d, &f->layer);
     add_region(f->c, &f->shm, &f->region);
     const kdac_server_info *info = kdac_client_info(f->c);
     bool found = false;
@@ -106,15 +89,6 @@ static void teardown(fixture *f)
     kdac_client_close(f->c);
     kdac_shm_close(&f->shm);
     dh_stop(&f->d);
-}
-
-static uint64_t alloc(kdac_client *c)
-{
-    uint64_t slot;
-    kdac_error err;
-    if (kdac_slot_alloc(c, 1, 0, &slot, &err) != KDAC_OK)
-        fail_msg("slot.alloc: %s", err.message);
-    return slot;
 }
 
 static uint64_t *word(fixture *f, uint32_t i)
@@ -161,21 +135,6 @@ static kdac_seq region_seq(fixture *f, uint64_t slot, const layout *l)
     q.g = kdac_tensor_region(f->region, l->g);
     q.beta = kdac_tensor_region(f->region, l->beta);
     q.out = kdac_output_region(f->region, l->out);
-    return q;
-}
-
-static kdac_seq inline_seq(uint64_t slot, const dh_seq *s, uint16_t *out)
-{
-    kdac_seq q;
-    memset(&q, 0, sizeof(q));
-    q.slot = slot;
-    q.len = s->len;
-    q.q = kdac_tensor_inline(s->q);
-    q.k = kdac_tensor_inline(s->k);
-    q.v = kdac_tensor_inline(s->v);
-    q.g = kdac_tensor_inline(s->g);
-    q.beta = kdac_tensor_inline(s->beta);
-    q.out = kdac_output_inline(out);
     return q;
 }
 
@@ -248,11 +207,11 @@ static void test_ready_orders_and_matches_sync(void **state)
     setup(&f);
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
-    uint64_t sync_slot = alloc(f.c), stream_slot = alloc(f.c);
+    uint64_t sync_slot = dh_kdac_alloc(f.c), stream_slot = dh_kdac_alloc(f.c);
     kdac_error err;
 
     uint16_t *ref = malloc(DH_TOKEN_BYTES(LEN));
-    kdac_seq iq = inline_seq(sync_slot, &s, ref);
+    kdac_seq iq = dh_kdac_seq(sync_slot, &s, ref);
     kdac_prefill_result pr;
     assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, &pr, &err), KDAC_OK);
 
@@ -316,7 +275,7 @@ static void test_sem_refusals(void **state)
 {
     fixture f;
     setup(&f);
-    uint64_t slot = alloc(f.c);
+    uint64_t slot = dh_kdac_alloc(f.c);
     layout l = layout_at(OFF_IN);
     kdac_seq rq = region_seq(&f, slot, &l);
     kdac_error err;
@@ -371,10 +330,10 @@ static void test_unready_word_times_out_without_delaying_others(void **state)
     setup(&f);
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
-    kdac_client *other = open_client(&f.d, &f.layer);
-    uint64_t bslot = alloc(other), aslot = alloc(f.c);
+    kdac_client *other = dh_kdac_open(&f.d, &f.layer);
+    uint64_t bslot = dh_kdac_alloc(other), aslot = dh_kdac_alloc(f.c);
     uint16_t *out = malloc(DH_TOKEN_BYTES(LEN));
-    kdac_seq bq = inline_seq(bslot, &s, out);
+    kdac_seq bq = dh_kdac_seq(bslot, &s, out);
     kdac_error err;
     uint64_t base[N], during[N];
     for (int i = 0; i < N; i++) {
@@ -416,7 +375,7 @@ static void test_unready_word_times_out_without_delaying_others(void **state)
     assert_int_equal(__atomic_load_n(word(&f, 1), __ATOMIC_ACQUIRE), 3 | KDAC_SEM_FAILED);
 
     /* The slot is free again for the client's next request. */
-    kdac_seq iq = inline_seq(aslot, &s, out);
+    kdac_seq iq = dh_kdac_seq(aslot, &s, out);
     assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, NULL, &err), KDAC_OK);
     kdac_client_close(other);
     free(out);
@@ -437,7 +396,7 @@ static void test_ready_notice_latency(void **state)
     setup(&f);
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
-    uint64_t slot = alloc(f.c);
+    uint64_t slot = dh_kdac_alloc(f.c);
     layout l = layout_at(OFF_IN);
     write_inputs(&f, &l, &s);
     kdac_seq rq = region_seq(&f, slot, &l);
@@ -489,7 +448,7 @@ static void test_daemon_writes_failure_values(void **state)
     setup(&f);
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
-    uint64_t slot = alloc(f.c);
+    uint64_t slot = dh_kdac_alloc(f.c);
     layout l = layout_at(OFF_IN);
     write_inputs(&f, &l, &s);
     kdac_seq rq = region_seq(&f, slot, &l);
@@ -527,11 +486,11 @@ static void test_daemon_writes_failure_values(void **state)
     assert_int_equal(*word(&f, 2), 13 | KDAC_SEM_FAILED);
 
     /* Dropped: a second connection sends a gated request and goes. */
-    kdac_client *g = open_client(&f.d, &f.layer);
+    kdac_client *g = dh_kdac_open(&f.d, &f.layer);
     kdac_shm gshm;
     uint32_t gregion;
     add_region(g, &gshm, &gregion);
-    uint64_t gslot = alloc(g);
+    uint64_t gslot = dh_kdac_alloc(g);
     memcpy((uint8_t *)gshm.base + OFF_IN, (uint8_t *)f.shm.base + OFF_IN,
            l.out - OFF_IN); /* the same inputs */
     kdac_seq gq = rq;
@@ -567,9 +526,9 @@ static void test_library_writes_failure_when_kdad_dies(void **state)
     enum { BIG = 8192 };
     dh_seq big;
     dh_seq_make(&big, &f.rng, BIG);
-    uint64_t slot_big = alloc(f.c), slot = alloc(f.c);
+    uint64_t slot_big = dh_kdac_alloc(f.c), slot = dh_kdac_alloc(f.c);
     uint16_t *out = malloc(DH_TOKEN_BYTES(BIG));
-    kdac_seq bq = inline_seq(slot_big, &big, out);
+    kdac_seq bq = dh_kdac_seq(slot_big, &big, out);
     layout l = layout_at(OFF_IN);
     kdac_seq rq = region_seq(&f, slot, &l);
     kdac_error err;
@@ -637,13 +596,13 @@ static void test_stream_form_on_a_cuda_stream(void **state)
 
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
-    uint64_t sync_slot = alloc(f.c), slot = alloc(f.c);
+    uint64_t sync_slot = dh_kdac_alloc(f.c), slot = dh_kdac_alloc(f.c);
     uint16_t *ref = malloc(DH_TOKEN_BYTES(LEN)), *got;
     /* Pinned: a copy into pageable memory would return only once done, and this one waits
        behind the gate the host opens below. */
     CUDA_OK(cudaMallocHost((void **)&got, DH_TOKEN_BYTES(LEN)));
     memset(got, 0, DH_TOKEN_BYTES(LEN));
-    kdac_seq iq = inline_seq(sync_slot, &s, ref);
+    kdac_seq iq = dh_kdac_seq(sync_slot, &s, ref);
     assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, NULL, &err), KDAC_OK);
 
     layout l = layout_at(OFF_IN);

@@ -14,6 +14,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -79,14 +80,36 @@ static void expect_no_text(const char *text, const char *part)
         fail_msg("\"%s\" has \"%s\"", text, part);
 }
 
+/* The text of the file at path (at most cap - 1 bytes; "" when it cannot be read), which is
+ * then removed. */
+static void take_file(const char *path, char *text, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t got = f ? fread(text, 1, cap - 1, f) : 0;
+    text[got] = 0;
+    if (f)
+        fclose(f);
+    unlink(path);
+}
+
+/* A libkdaclient connection to the daemon. */
+static kdac_client *open_client(void)
+{
+    kdac_options opt;
+    kdac_options_init(&opt);
+    opt.socket_path = S;
+    kdac_client *c;
+    kdac_error err;
+    assert_int_equal(kdac_client_open(&c, &opt, &err), KDAC_OK);
+    return c;
+}
+
 /* ---------------------------------------------------------------------- */
 
 /* Slot handles and the instance id are hex strings in --json, and `slot free` takes them. */
 static void test_json_ids(void **state)
 {
-    cmd_result r = kdactl(S, "--json", "slot", "alloc", "--count", "2", NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "slot", "alloc", "--count", "2", NULL);
     json_object *slots = jget(o, "slots");
     assert_int_equal(json_object_array_length(slots), 2);
     char *h[2];
@@ -98,24 +121,20 @@ static void test_json_ids(void **state)
         assert_memory_equal(h[i], "0x", 2);
     }
     json_object_put(o);
-    cmd_free(&r);
     /* The slots lived with that connection (no slots_persist): freeing them again is refused
      * by the daemon, not by kdactl's parser. */
-    r = kdactl(S, "slot", "free", h[0], h[1], NULL);
+    cmd_result r = kdactl(S, "slot", "free", h[0], h[1], NULL);
     expect_exit(&r, 1);
     expect_no_text(r.err, "is not a slot handle");
     cmd_free(&r);
     free(h[0]);
     free(h[1]);
 
-    r = kdactl(S, "--json", "hello", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "hello", NULL);
     json_object *inst = jget(o, "instance");
     assert_true(json_object_is_type(inst, json_type_string));
     assert_int_equal(strlen(json_object_get_string(inst)), 18);
     json_object_put(o);
-    cmd_free(&r);
 }
 
 /* --json, --socket and --timeout also after the command (and after its options). */
@@ -230,27 +249,18 @@ static void test_messages(void **state)
 /* One letter, one meaning: -n counts, -N sequences, -S seeds, -R random, -T tokens. */
 static void test_short_options(void **state)
 {
-    cmd_result r = kdactl(S, "--json", "ping", "-n", "3", NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "ping", "-n", "3", NULL);
     assert_int_equal(jint(o, "count"), 3);
     json_object_put(o);
-    cmd_free(&r);
-    r = kdactl(S, "--json", "prefill", "-R", "-T", "64", "-H", "4", "-N", "2", "-S", "7", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "prefill", "-R", "-T", "64", "-H", "4", "-N", "2", "-S", "7", NULL);
     assert_int_equal(jint(o, "seqs"), 2);
     assert_int_equal(jint(o, "tokens"), 64);
     json_object_put(o);
-    cmd_free(&r);
-    r = kdactl(S, "--json", "bench", "-n", "3", "-N", "2", "-T", "16", "-S", "5", "-W", "0", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "bench", "-n", "3", "-N", "2", "-T", "16", "-S", "5", "-W", "0", NULL);
     assert_int_equal(jint(o, "requests"), 3);
     assert_int_equal(jint(o, "seqs_per_request"), 2);
     json_object_put(o);
-    cmd_free(&r);
-    r = kdactl(S, "slot", "alloc", "-n", "1", NULL);
+    cmd_result r = kdactl(S, "slot", "alloc", "-n", "1", NULL);
     expect_exit(&r, 0);
     cmd_free(&r);
 }
@@ -262,12 +272,8 @@ static void test_dtype_spellings(void **state)
     assert_non_null(mkdtemp(dir));
     char out[96];
     snprintf(out, sizeof(out), "%s/s.safetensors", dir);
-    kdac_options opt;
-    kdac_options_init(&opt);
-    opt.socket_path = S;
-    kdac_client *c;
+    kdac_client *c = open_client();
     kdac_error err;
-    assert_int_equal(kdac_client_open(&c, &opt, &err), KDAC_OK);
     uint64_t slot;
     assert_int_equal(kdac_slot_alloc(c, 1, 0, &slot, &err), KDAC_OK);
     char handle[24];
@@ -305,12 +311,8 @@ static void test_dtype_spellings(void **state)
  * with --no-retry reports it at once. */
 static void test_retries(void **state)
 {
-    kdac_options opt;
-    kdac_options_init(&opt);
-    opt.socket_path = S;
-    kdac_client *c;
+    kdac_client *c = open_client();
     kdac_error err;
-    assert_int_equal(kdac_client_open(&c, &opt, &err), KDAC_OK);
     uint64_t held[SLOTS];
     assert_int_equal(kdac_slot_alloc(c, SLOTS, 0, held, &err), KDAC_OK);
 
@@ -344,12 +346,8 @@ static void test_retries(void **state)
     assert_int_equal(kdac_slot_free(c, held, SLOTS, &err), KDAC_OK);
     int st;
     waitpid(ctl_pid, &st, 0);
-    FILE *f = fopen(out_path, "r");
-    char text[4096] = "";
-    size_t got = fread(text, 1, sizeof(text) - 1, f);
-    text[got] = 0;
-    fclose(f);
-    unlink(out_path);
+    char text[4096];
+    take_file(out_path, text, sizeof(text));
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
         fail_msg("kdactl slot alloc with retries failed:\n%s", text);
     expect_text(text, "POOL_FULL");
@@ -385,12 +383,8 @@ static void test_bench_interrupt(void **state)
     int st;
     waitpid(pid, &st, 0);
     assert_true(now_s() - t0 < 20);
-    FILE *f = fopen(out_path, "r");
-    char text[8192] = "";
-    size_t got = fread(text, 1, sizeof(text) - 1, f);
-    text[got] = 0;
-    fclose(f);
-    unlink(out_path);
+    char text[8192];
+    take_file(out_path, text, sizeof(text));
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 130)
         fail_msg("kdactl bench after SIGINT: status %d\n%s", st, text);
     expect_text(text, "(interrupted: the results so far)");
@@ -413,14 +407,11 @@ static void test_prefill_check(void **state)
     expect_text(r.out, "check      output error 0.00");
     expect_text(r.out, "within the accuracy contract");
     cmd_free(&r);
-    r = kdactl(S, "--json", "prefill", "--input", path, "-C", NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "prefill", "--input", path, "-C", NULL);
     assert_true(jbool(o, "check.ok"));
     assert_true(jdouble(o, "check.out_err") > 0.001 && jdouble(o, "check.out_err") < 0.005);
     assert_true(jdouble(o, "check.out_bound") >= 0.005);
     json_object_put(o);
-    cmd_free(&r);
 
     /* fixed_h4_t256's inputs with fastgate_h4_t256's expected tensors (same shapes) */
     st_file *a, *b;
@@ -545,13 +536,8 @@ static void test_kdad_cpu_chosen(void **state)
     kill(pid, SIGTERM);
     int st;
     waitpid(pid, &st, 0);
-    FILE *f = fopen(log, "r");
-    char text[8192] = "";
-    size_t got = f ? fread(text, 1, sizeof(text) - 1, f) : 0;
-    text[got] = 0;
-    if (f)
-        fclose(f);
-    unlink(log);
+    char text[8192];
+    take_file(log, text, sizeof(text));
     rmdir(dir);
     assert_true(up);
     if (!cpu) {

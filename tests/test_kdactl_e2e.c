@@ -57,9 +57,7 @@ static const char *golden(const char *name)
 
 static void test_hello_ping_health_stats(void **state)
 {
-    cmd_result r = kdactl(S, "--json", "hello", NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "hello", NULL);
     assert_int_equal(jint(o, "version"), 1);
     assert_string_equal(jstr(o, "backend"), "cpu");
     assert_int_equal(jint(o, "heads"), H);
@@ -72,9 +70,8 @@ static void test_hello_ping_health_stats(void **state)
     assert_true(jint(o, "limits.max_batch_tokens") > 0);
     expect_text(jstr(o, "server"), "kdad");
     json_object_put(o);
-    cmd_free(&r);
 
-    r = kdactl(S, "hello", NULL);
+    cmd_result r = kdactl(S, "hello", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "backend     cpu");
     expect_text(r.out, "4 heads x 128, 64 slots");
@@ -84,9 +81,7 @@ static void test_hello_ping_health_stats(void **state)
     expect_exit(&r, 0);
     expect_text(r.out, "3 pings: min");
     cmd_free(&r);
-    r = kdactl(S, "--json", "ping", "--count", "20", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "ping", "--count", "20", NULL);
     assert_int_equal(jint(o, "count"), 20);
     assert_string_equal(jstr(o, "status"), "ok");
     /* a real round trip takes time, and the quantiles are ordered */
@@ -94,33 +89,24 @@ static void test_hello_ping_health_stats(void **state)
            p99 = jdouble(o, "rtt_us_p99"), hi = jdouble(o, "rtt_us_max");
     assert_true(lo > 0 && lo <= p50 && p50 <= p99 && p99 <= hi);
     json_object_put(o);
-    cmd_free(&r);
     /* the same over a frame ring, the client polling */
-    r = kdactl(S, "--json", "ping", "--count", "50", "--ring", "--spin", "2000", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "ping", "--count", "50", "--ring", "--spin", "2000", NULL);
     assert_int_equal(jint(o, "count"), 50);
     assert_true(jbool(o, "ring"));
     assert_int_equal(jint(o, "spin_us"), 2000);
     assert_true(jdouble(o, "rtt_us_min") > 0);
     json_object_put(o);
-    cmd_free(&r);
     r = kdactl(S, "ping", "--count", "2", "--ring", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "2 pings over a frame ring: min");
     cmd_free(&r);
 
-    r = kdactl(S, "--json", "health", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "health", NULL);
     assert_string_equal(jstr(o, "status"), "ok");
     assert_true(jint(o, "uptime_us") > 0);
     json_object_put(o);
-    cmd_free(&r);
 
-    r = kdactl(S, "--json", "stats", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "stats", NULL);
     assert_true(jint(o, "connections_total") >= 5); /* the ones above, and this one */
     assert_true(jint(o, "requests") >= 8);
     assert_int_equal(jint(o, "pool.slots"), 64);
@@ -129,7 +115,6 @@ static void test_hello_ping_health_stats(void **state)
     jget(o, "latency_us.p99");
     jget(o, "transport_bytes.shm.in");
     json_object_put(o);
-    cmd_free(&r);
     r = kdactl(S, "stats", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "kdad statistics");
@@ -142,15 +127,12 @@ static void test_hello_ping_health_stats(void **state)
 static void test_layer_commands(void **state)
 {
     const char *file = golden("mixed_h4");
-    cmd_result r = kdactl(S, "--json", "layer", "register", "e2e.mixed", "--weights", file, NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "layer", "register", "e2e.mixed", "--weights", file, NULL);
     assert_true(json_object_get_boolean(jget(o, "created")));
     assert_true(json_object_get_double(jget(o, "lower_bound")) == -5.0);
     json_object_put(o);
-    cmd_free(&r);
     /* The same again is harmless. */
-    r = kdactl(S, "layer", "register", "e2e.mixed", "--weights", file, NULL);
+    cmd_result r = kdactl(S, "layer", "register", "e2e.mixed", "--weights", file, NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "already registered");
     cmd_free(&r);
@@ -160,15 +142,12 @@ static void test_layer_commands(void **state)
     expect_exit(&r, 1);
     expect_text(r.err, "LAYER_EXISTS");
     cmd_free(&r);
-    r = kdactl(S, "--json", "layer", "list", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "layer", "list", NULL);
     json_object *layers = jget(o, "layers");
     assert_int_equal(json_object_array_length(layers), 1);
     assert_string_equal(jstr(json_object_array_get_idx(layers, 0), "name"), "e2e.mixed");
     assert_string_equal(jstr(json_object_array_get_idx(layers, 0), "source"), "client");
     json_object_put(o);
-    cmd_free(&r);
     r = kdactl(S, "layer", "list", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "e2e.mixed");
@@ -220,13 +199,10 @@ static float *write_state_file(const char *path, uint64_t pos)
 /* `slot save` into path; returns the file (caller closes) and checks pos. */
 static st_file *save_slot(const char *handle, const char *path, const char *dtype, uint64_t pos)
 {
-    cmd_result r = kdactl(S, "--json", "slot", "save", handle, "--output", path, "--dtype", dtype,
-                          NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "slot", "save", handle, "--output", path, "--dtype",
+                                 dtype, NULL);
     assert_int_equal(juint(o, "pos"), pos);
     json_object_put(o);
-    cmd_free(&r);
     st_file *f;
     char err[256];
     assert_int_equal(st_open(path, &f, err, sizeof(err)), 0);
@@ -251,28 +227,22 @@ static void test_slot_commands(void **state)
     snprintf(in, sizeof(in), "%s/in.safetensors", dir);
     snprintf(out, sizeof(out), "%s/out.safetensors", dir);
 
-    cmd_result r = kdactl(S, "--json", "slot", "alloc", "--count", "2", NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "slot", "alloc", "--count", "2", NULL);
     char *a = handle_text(json_object_array_get_idx(jget(o, "slots"), 0));
     char *b = handle_text(json_object_array_get_idx(jget(o, "slots"), 1));
     json_object_put(o);
-    cmd_free(&r);
 
     /* They persist: a later connection sees them, ready at position 0. */
-    r = kdactl(S, "--json", "slot", "info", a, b, NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "slot", "info", a, b, NULL);
     json_object *e = json_object_array_get_idx(jget(o, "slots"), 0);
     assert_string_equal(jstr(e, "status"), "ready");
     assert_int_equal(jint(e, "pos"), 0);
     json_object_put(o);
-    cmd_free(&r);
 
     /* load, then save: the same bytes and position come back (f32 exact,
      * bf16 rounded to nearest even). */
     float *v = write_state_file(in, 123);
-    r = kdactl(S, "slot", "load", a, "--input", in, NULL);
+    cmd_result r = kdactl(S, "slot", "load", a, "--input", in, NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "at position 123");
     cmd_free(&r);
@@ -292,22 +262,16 @@ static void test_slot_commands(void **state)
     st_close(f);
 
     /* fork into b: b becomes a copy. */
-    r = kdactl(S, "--json", "slot", "fork", a, "--dst", b, NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "slot", "fork", a, "--dst", b, NULL);
     assert_int_equal(jint(o, "pos"), 123);
     json_object_put(o);
-    cmd_free(&r);
     f = save_slot(b, out, "f32", 123);
     assert_memory_equal(st_get(f, "state")->data, v, STATE_ELEMS * sizeof(float));
     st_close(f);
     /* fork into a new slot */
-    r = kdactl(S, "--json", "slot", "fork", a, NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "slot", "fork", a, NULL);
     char *c = handle_text(jget(o, "slot"));
     json_object_put(o);
-    cmd_free(&r);
 
     /* reset b: zeros at position 0 */
     r = kdactl(S, "slot", "reset", b, NULL);
@@ -320,19 +284,13 @@ static void test_slot_commands(void **state)
     st_close(f);
 
     /* load into a new slot; an empty slot cannot be saved */
-    r = kdactl(S, "--json", "slot", "load", "--input", in, NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "slot", "load", "--input", in, NULL);
     char *d = handle_text(jget(o, "slot"));
     assert_int_equal(jint(o, "pos"), 123);
     json_object_put(o);
-    cmd_free(&r);
-    r = kdactl(S, "--json", "slot", "alloc", "--empty", NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "slot", "alloc", "--empty", NULL);
     char *em = handle_text(json_object_array_get_idx(jget(o, "slots"), 0));
     json_object_put(o);
-    cmd_free(&r);
     r = kdactl(S, "slot", "save", em, "--output", out, NULL);
     expect_exit(&r, 1);
     expect_text(r.err, "STATE_LOST");
@@ -367,11 +325,9 @@ static void test_bench(void **state)
 {
     const char *transports[] = {"inline", "shm"};
     for (int i = 0; i < 2; i++) {
-        cmd_result r = kdactl(S, "--json", "bench", "--requests", "12", "--clients", "2",
-                              "--depth", "2", "--tokens", "32", "--dist", "mixed", "--seqs", "2",
-                              "--transport", transports[i], NULL);
-        expect_exit(&r, 0);
-        json_object *o = json_out(&r);
+        json_object *o = kdactl_json(S, "bench", "--requests", "12", "--clients", "2",
+                                     "--depth", "2", "--tokens", "32", "--dist", "mixed",
+                                     "--seqs", "2", "--transport", transports[i], NULL);
         assert_int_equal(jint(o, "requests"), 12);
         assert_int_equal(jint(o, "errors"), 0);
         assert_string_equal(jstr(o, "transport"), transports[i]);
@@ -380,33 +336,26 @@ static void test_bench(void **state)
         double p99 = json_object_get_double(jget(o, "latency_ms.p99"));
         assert_true(p50 > 0 && p99 >= p50);
         json_object_put(o);
-        cmd_free(&r);
     }
     /* The packed workload of the benchmarks, exactly (scaled down by 10). */
-    cmd_result r = kdactl(S, "--json", "bench", "--requests", "4", "--lengths",
-                          "130,55,205,96,27,306", "--transport", "shm", NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "bench", "--requests", "4", "--lengths",
+                                 "130,55,205,96,27,306", "--transport", "shm", NULL);
     assert_int_equal(jint(o, "requests"), 4);
     assert_int_equal(jint(o, "seqs_per_request"), 6);
     assert_int_equal(jint(o, "tokens"), 4 * 819);
     assert_string_equal(jstr(o, "dist"), "list");
     assert_int_equal(jint(o, "align"), 256);
     json_object_put(o);
-    cmd_free(&r);
     /* The same with every sequence at a multiple of 1 MiB: the padded layout stays inside the
      * region (a reference past it would fail the requests with REGION_BOUNDS) */
-    r = kdactl(S, "--json", "bench", "--requests", "4", "--clients", "2", "--depth", "2",
-               "--lengths", "130,55,205,96,27,306", "--transport", "shm", "--align", "1048576",
-               NULL);
-    expect_exit(&r, 0);
-    o = json_out(&r);
+    o = kdactl_json(S, "bench", "--requests", "4", "--clients", "2", "--depth", "2",
+                    "--lengths", "130,55,205,96,27,306", "--transport", "shm", "--align", "1048576",
+                    NULL);
     assert_int_equal(jint(o, "requests"), 4);
     assert_int_equal(jint(o, "errors"), 0);
     assert_int_equal(jint(o, "align"), 1048576);
     json_object_put(o);
-    cmd_free(&r);
-    r = kdactl(S, "bench", "--duration", "1", "--dist", "uniform", "--tokens", "16",
+    cmd_result r = kdactl(S, "bench", "--duration", "1", "--dist", "uniform", "--tokens", "16",
                           "--depth", "3", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "0 failed");
@@ -415,15 +364,12 @@ static void test_bench(void **state)
     /* Over frame rings: clients polling between answers, then sleeping on doorbells. */
     const char *spin[] = {"2000", "0"};
     for (int i = 0; i < 2; i++) {
-        r = kdactl(S, "--json", "bench", "--requests", "40", "--clients", "3", "--depth", "2",
-                   "--tokens", "16", "--transport", "shm", "--ring", "--spin", spin[i], NULL);
-        expect_exit(&r, 0);
-        o = json_out(&r);
+        o = kdactl_json(S, "bench", "--requests", "40", "--clients", "3", "--depth", "2",
+                        "--tokens", "16", "--transport", "shm", "--ring", "--spin", spin[i], NULL);
         assert_int_equal(jint(o, "requests"), 40);
         assert_int_equal(jint(o, "errors"), 0);
         assert_true(jbool(o, "ring"));
         json_object_put(o);
-        cmd_free(&r);
     }
     r = kdactl(S, "bench", "--transport", "cuda-ipc", "--requests", "1", NULL);
     expect_exit(&r, 6);

@@ -37,10 +37,8 @@ static int stop_daemon(void **state)
 static void test_step_random(void **state)
 {
     (void)state;
-    cmd_result r = kdactl(S, "--json", "step", "--random", "--seqs", "3", "--tokens", "2",
-                          "--repeat", "2", NULL);
-    expect_exit(&r, 0);
-    json_object *o = json_out(&r);
+    json_object *o = kdactl_json(S, "step", "--random", "--seqs", "3", "--tokens", "2",
+                                 "--repeat", "2", NULL);
     assert_int_equal(jint(o, "seqs"), 3);
     assert_int_equal(jint(o, "tokens"), 6);
     json_object *steps = jget(o, "steps");
@@ -55,9 +53,8 @@ static void test_step_random(void **state)
         assert_true(jdouble(st, "round_trip_us") > 0);
     }
     json_object_put(o);
-    cmd_free(&r);
 
-    r = kdactl(S, "step", "--random", NULL);
+    cmd_result r = kdactl(S, "step", "--random", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "pos 1");
     expect_text(r.out, "kernel");
@@ -92,11 +89,9 @@ static void test_bench_decode(void **state)
     (void)state;
     const char *transports[] = {"inline", "shm"};
     for (int t = 0; t < 2; t++) {
-        cmd_result r = kdactl(S, "--json", "bench", "--decode", "--seqs", "16", "--tokens", "2",
-                              "--steps", "20", "--warmup", "2", "--transport", transports[t],
-                              NULL);
-        expect_exit(&r, 0);
-        json_object *o = json_out(&r);
+        json_object *o = kdactl_json(S, "bench", "--decode", "--seqs", "16", "--tokens", "2",
+                                     "--steps", "20", "--warmup", "2", "--transport", transports[t],
+                                     NULL);
         assert_int_equal(jint(o, "seqs"), 16);
         assert_int_equal(jint(o, "tokens"), 2);
         assert_int_equal(jint(o, "steps"), 20);
@@ -105,7 +100,6 @@ static void test_bench_decode(void **state)
         assert_true(jdouble(o, "step_p99_us") >= jdouble(o, "step_p50_us"));
         assert_true(jdouble(o, "kernel_p50_us") <= jdouble(o, "step_p50_us"));
         json_object_put(o);
-        cmd_free(&r);
     }
     cmd_result r = kdactl(S, "bench", "--decode", "--seqs", "32", "--steps", "5", NULL);
     expect_exit(&r, 0);

@@ -354,9 +354,24 @@ static void test_layer_round_trip(void **state)
     assert_string_equal(dg.name, "b.c");
     wire_close(&x);
 
+    kp_layer_drop_result dr = {.known = true, .removed = false, .registrations = 2,
+                               .in_use = 3};
+    ENC(kp_layer_drop_result_encode(&test_writer, 23, &dr, &enc_err_));
+    open_result(&x, 23);
+    kp_layer_drop_result drg;
+    DEC(kp_layer_drop_result_decode(&x.msg, &drg, &dec_err_));
+    assert_true(drg.known);
+    assert_false(drg.removed);
+    assert_int_equal(drg.registrations, 2);
+    assert_int_equal(drg.in_use, 3);
+    assert_int_equal(kp_empty_result_decode(&x.msg, &err), KP_OK); /* older clients: lenient */
+    wire_close(&x);
+
+    /* a daemon from before the fields answers {} */
     ENC(kp_empty_result_encode(&test_writer, 23, &enc_err_));
     open_result(&x, 23);
-    assert_int_equal(kp_empty_result_decode(&x.msg, &err), KP_OK);
+    DEC(kp_layer_drop_result_decode(&x.msg, &drg, &dec_err_));
+    assert_false(drg.known);
     wire_close(&x);
 }
 

@@ -23,6 +23,10 @@
  * malloc told to give freed memory back (GLIBC_TUNABLES), so that its RSS
  * follows what it holds, not the peak of many clients at once.
  *
+ * test_idle_trim runs kdad with glibc's malloc as it comes: after a burst
+ * of the same clients its RSS falls back once it has been idle for a
+ * second (it trims its heap then).
+ *
  * KDAD_SOAK_SECONDS sets the duration: 5 by default (CI), 90 for a soak.
  */
 #include <setjmp.h>
@@ -43,8 +47,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon_harness.h"
-#include "kdaclient.h"
+#include "daemon_kdac.h"
 
 #define CLIENTS 12
 #define SLOTS 128 /* >= 8 per client: the slow round's */
@@ -112,20 +115,6 @@ static uint32_t random_len(client *k, uint32_t max)
     return 1 + (uint32_t)(rng_next(&k->rng) % max);
 }
 
-static kdac_seq inline_seq(uint64_t slot, const dh_seq *s, uint16_t *out)
-{
-    kdac_seq q = {0};
-    q.slot = slot;
-    q.len = s->len;
-    q.q = kdac_tensor_inline(s->q);
-    q.k = kdac_tensor_inline(s->k);
-    q.v = kdac_tensor_inline(s->v);
-    q.g = kdac_tensor_inline(s->g);
-    q.beta = kdac_tensor_inline(s->beta);
-    q.out = kdac_output_inline(out);
-    return q;
-}
-
 /* The output of s (run from *state, which advances) against the oracle. */
 static int check_output(client *k, const dh_layer *l, const dh_seq *s, double *state,
                         const uint16_t *out, uint64_t pos, uint64_t want_pos)
@@ -175,7 +164,7 @@ static int chained(client *k, kdac_client *c, const char *name, const dh_layer *
         k->regions += !bad;
     }
     for (int i = 0; i < 2 && !bad; i++) {
-        kdac_seq q = inline_seq(slot, &s[i], out);
+        kdac_seq q = dh_kdac_seq(slot, &s[i], out);
         if (shm) {
             char *base = shm_map.base;
             const uint16_t *src[4] = {s[i].q, s[i].k, s[i].v, s[i].g};
@@ -254,7 +243,7 @@ static int round_vanish(client *k)
     uint16_t *out = malloc(DH_TOKEN_BYTES(1024));
     int rc = kdac_slot_alloc(c, 1, 0, &slot, &err);
     if (!rc) {
-        kdac_seq q = inline_seq(slot, &s, out);
+        kdac_seq q = dh_kdac_seq(slot, &s, out);
         rc = kdac_prefill_send(c, SHARED, &q, 1, ignored, NULL, &err);
     }
     for (int i = 0; !rc && i < 50 && (kdac_client_events(c) & KDAC_WRITABLE); i++) {
@@ -326,7 +315,7 @@ static int round_slow(client *k)
         rc = kdac_slot_alloc(c, N, 0, slots, &err);
     for (int i = 0; !rc && i < N; i++) {
         req[i] = (slow_req){k, 0, 0, 0};
-        kdac_seq q = inline_seq(slots[i], &s, out + (size_t)i * LEN * DH_HEADS * 128);
+        kdac_seq q = dh_kdac_seq(slots[i], &s, out + (size_t)i * LEN * DH_HEADS * 128);
         rc = kdac_prefill_send(c, SHARED, &q, 1, slow_done, &req[i], &err);
     }
     int bad = rc ? failed(k, "slow: send", rc, &err) : 0;
@@ -472,41 +461,37 @@ static void touch_pool(dh_client *c, uint32_t slots)
 
 /* ---------------------------------------------------------------------- */
 
-static void test_soak(void **unused)
+/* A daemon with the shared layer registered through *keeper (held throughout:
+ * vanishing clients use it) and a warm-up round of each kind done, so that
+ * later measurements have every thread and buffer; then every slot written
+ * once, so that they count the pool's memory (the cpu backend's pool pages
+ * are touched as slots are first written).  log_level: the daemon's. */
+static void start_warm(dh_daemon *d, dh_client *keeper, const char *log_level)
 {
-    const char *env = getenv("KDAD_SOAK_SECONDS");
-    double seconds = env ? atof(env) : 5;
-    dh_daemon d;
-    dh_client keeper;
     dh_layer l;
     shared_layer(&l);
-    /* glibc returns what kdad frees: large blocks always mapped and unmapped (no
-     * dynamic threshold), arena tops trimmed early; so its RSS follows what it
-     * holds rather than the peak of the run. */
-    setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536:"
-           "glibc.malloc.trim_threshold=131072", 1);
-    char yaml[128];
-    snprintf(yaml, sizeof(yaml), "heads: 4\nslots: %d\ncpu_threads: 2\nlimits:\n"
-             "  max_layers: 64\n", SLOTS);
-    dh_start_or_skip(&d, yaml);
-    dh_connect(&keeper, &d);
-    dh_hello(&keeper);
-    dh_register_layer(&keeper, SHARED, &l); /* held throughout: vanishing clients use it */
-
-    /* warm-up: one round of each kind, so that the baseline has every thread and buffer */
-    client warm = {.sock = d.sock, .index = CLIENTS};
+    char yaml[160];
+    snprintf(yaml, sizeof(yaml), "heads: 4\nslots: %d\ncpu_threads: 2\nlog:\n  level: %s\n"
+             "limits:\n  max_layers: 64\n", SLOTS, log_level);
+    dh_start_or_skip(d, yaml);
+    dh_connect(keeper, d);
+    dh_hello(keeper);
+    dh_register_layer(keeper, SHARED, &l);
+    client warm = {.sock = d->sock, .index = CLIENTS};
     rng_seed(&warm.rng, 99);
     shared_layer(&warm.shared);
     if (round_whole(&warm, false, false) || round_whole(&warm, true, true) ||
         round_slow(&warm) || round_vanish(&warm) || round_half(&warm))
         fail_msg("warm-up: %s", warm.msg);
-    kp_stats_result st = settle(&keeper);
-    touch_pool(&keeper, SLOTS);
-    st = settle(&keeper);
-    long rss0 = rss_kib(d.pid);
-    int fds0 = open_fds(d.pid);
-    assert_true(rss0 > 0 && fds0 > 0);
+    settle(keeper);
+    touch_pool(keeper, SLOTS);
+}
 
+/* CLIENTS client processes against d for `seconds`; total: their counts
+ * (results checked, vanished, half frames, slow readers, regions).  Fails
+ * the test when one of them failed. */
+static void run_clients(const dh_daemon *d, double seconds, uint64_t total[5])
+{
     double deadline = now_s() + seconds;
     pid_t pids[CLIENTS];
     int pipes[CLIENTS];
@@ -518,7 +503,7 @@ static void test_soak(void **unused)
         assert_true(pids[i] >= 0);
         if (pids[i] == 0) {
             close(p[0]);
-            client k = {.sock = d.sock, .index = i};
+            client k = {.sock = d->sock, .index = i};
             rng_seed(&k.rng, 1000 + (uint64_t)i);
             shared_layer(&k.shared);
             int rc = client_main(&k, deadline);
@@ -529,7 +514,7 @@ static void test_soak(void **unused)
         close(p[1]);
         pipes[i] = p[0];
     }
-    uint64_t total[5] = {0};
+    memset(total, 0, 5 * sizeof(total[0]));
     int bad = 0;
     for (int i = 0; i < CLIENTS; i++) {
         char msg[1024];
@@ -551,7 +536,43 @@ static void test_soak(void **unused)
     }
     if (bad)
         fail_msg("%d of %d clients failed", bad, CLIENTS);
+}
 
+/* Drops the keeper's layer (the daemon then has none), closes it and stops d. */
+static void finish(dh_daemon *d, dh_client *keeper)
+{
+    uint32_t id = dh_id(keeper);
+    kp_layer_drop_params dp = {SHARED};
+    assert_int_equal(kp_layer_drop_params_encode(&keeper->w, id, &dp, NULL), KP_OK);
+    dh_send(keeper);
+    dh_expect_result(keeper, id);
+    kp_stats_result st;
+    dh_stats(keeper, &st);
+    assert_int_equal(st.layers, 0);
+    dh_close(keeper);
+    dh_stop(d);
+}
+
+static void test_soak(void **unused)
+{
+    const char *env = getenv("KDAD_SOAK_SECONDS");
+    double seconds = env ? atof(env) : 5;
+    dh_daemon d;
+    dh_client keeper;
+    /* glibc returns what kdad frees: large blocks always mapped and unmapped (no
+     * dynamic threshold), arena tops trimmed early; so its RSS follows what it
+     * holds rather than the peak of the run. */
+    setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536:"
+           "glibc.malloc.trim_threshold=131072", 1);
+    start_warm(&d, &keeper, "notice");
+    unsetenv("GLIBC_TUNABLES");
+    kp_stats_result st = settle(&keeper);
+    long rss0 = rss_kib(d.pid);
+    int fds0 = open_fds(d.pid);
+    assert_true(rss0 > 0 && fds0 > 0);
+
+    uint64_t total[5];
+    run_clients(&d, seconds, total);
     st = settle(&keeper);
     long rss1 = rss_kib(d.pid);
     int fds1 = open_fds(d.pid);
@@ -570,21 +591,61 @@ static void test_soak(void **unused)
     if (rss1 > rss0 + (long)RSS_SLACK_KIB)
         fail_msg("RSS grew from %ld to %ld KiB", rss0, rss1);
 #endif
-    uint32_t id = dh_id(&keeper);
-    kp_layer_drop_params dp = {SHARED};
-    assert_int_equal(kp_layer_drop_params_encode(&keeper.w, id, &dp, NULL), KP_OK);
-    dh_send(&keeper);
-    dh_expect_result(&keeper, id);
-    dh_stats(&keeper, &st);
-    assert_int_equal(st.layers, 0);
-    dh_close(&keeper);
-    dh_stop(&d);
+    finish(&d, &keeper);
+}
+
+/* How many times the daemon's log says it trimmed its heap (debug level). */
+static int trims(const dh_daemon *d)
+{
+    char *log = dh_log(d);
+    int n = 0;
+    for (const char *p = log; (p = strstr(p, "idle: malloc_trim")); p++)
+        n++;
+    free(log);
+    return n;
+}
+
+/* With glibc's malloc as it comes, a burst leaves freed memory in its
+ * arenas; once nothing has happened for a second kdad trims them
+ * (malloc_trim), and its RSS falls back by at least a quarter of what the
+ * burst added (without the trim nothing comes back: the ratio printed is
+ * 1.00). */
+static void test_idle_trim(void **unused)
+{
+    enum { BURST_S = 3, WAIT_MS = 6000 };
+    dh_daemon d;
+    dh_client keeper;
+    start_warm(&d, &keeper, "debug");
+    settle(&keeper);
+    usleep(2500 * 1000); /* idle: the warm-up's memory is trimmed too */
+    long rss0 = rss_kib(d.pid);
+    uint64_t total[5];
+    run_clients(&d, BURST_S, total);
+    settle(&keeper); /* its stats requests keep the daemon from idling meanwhile */
+    long busy = rss_kib(d.pid);
+    int before = trims(&d), waited = 0;
+    for (; waited < WAIT_MS && trims(&d) == before; waited += 100)
+        usleep(100 * 1000);
+    long rss1 = rss_kib(d.pid);
+    double kept = busy > rss0 ? (double)(rss1 - rss0) / (double)(busy - rss0) : 0.0;
+    printf("  RSS idle %ld KiB, after a %d s burst of %d clients %ld KiB, trimmed %d ms later: "
+           "%ld KiB (%.2f of what the burst added)\n", rss0, BURST_S, CLIENTS, busy, waited,
+           rss1, kept);
+    assert_true(waited < WAIT_MS);
+#ifndef UNDER_ASAN /* its allocator is not glibc's */
+    assert_true(busy > rss0);
+    if (kept > 0.75)
+        fail_msg("RSS %ld KiB after the burst, %ld KiB after the trim (idle before: %ld KiB)",
+                 busy, rss1, rss0);
+#endif
+    finish(&d, &keeper);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_soak, dh_teardown),
+        cmocka_unit_test_teardown(test_idle_trim, dh_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

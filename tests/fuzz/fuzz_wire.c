@@ -65,6 +65,7 @@ static void decode_results(kp_msg *msg)
     kp_stats_result stats;
     kp_layer_register_result layer;
     kp_layer_list_result layers;
+    kp_layer_drop_result drop;
     kp_slot_list slots;
     kp_slot_fork_result fork;
     kp_slot_read_result read;
@@ -82,6 +83,7 @@ static void decode_results(kp_msg *msg)
     kp_stats_result_decode(msg, &stats, &e);
     kp_layer_register_result_decode(msg, &layer, &e);
     kp_layer_list_result_decode(msg, &layers, &e);
+    kp_layer_drop_result_decode(msg, &drop, &e);
     kp_slot_alloc_result_decode(msg, &slots, &e);
     kp_slot_fork_result_decode(msg, &fork, &e);
     kp_slot_read_result_decode(msg, &session, &read, &e);

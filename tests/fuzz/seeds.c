@@ -193,6 +193,8 @@ int main(int argc, char **argv)
 
     /* answers */
     take(dir, &w, kp_empty_result_encode(&w, 1, &e), &e);
+    kp_layer_drop_result dr = {.known = true, .removed = true, .in_use = 1};
+    take(dir, &w, kp_layer_drop_result_encode(&w, 1, &dr, &e), &e);
     static const char *const features[] = {KP_FEATURE_STATS_PROMETHEUS};
     kp_hello_result hr = {.version = 1, .server = "kdad 0.1.0", .instance = 7,
                           .backend = KP_BACKEND_CUDA, .has_gpu = true,
