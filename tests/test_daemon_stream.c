@@ -614,6 +614,30 @@ static void test_library_writes_failure_when_kdad_dies(void **state)
 
 typedef CUresult (*wait64_fn)(CUstream s, CUdeviceptr addr, cuuint64_t value, unsigned flags);
 
+/* Waits for a CUDA stream (driving the client meanwhile) at most ms; false on timeout.  The
+ * stream waits on words other processes write: a bounded wait says which step never came. */
+static bool stream_finishes(kdac_client *c, cudaStream_t st, int ms)
+{
+    uint64_t end = now_ns() + (uint64_t)ms * 1000000u;
+    cudaError_t e;
+    while ((e = cudaStreamQuery(st)) == cudaErrorNotReady && now_ns() < end) {
+        kdac_client_progress(c);
+        usleep(100);
+    }
+    if (e != cudaSuccess && e != cudaErrorNotReady)
+        fail_msg("the stream failed: %s", cudaGetErrorString(e));
+    return e == cudaSuccess;
+}
+
+static wait64_fn stream_wait64(void)
+{
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult found;
+    CUDA_OK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault,
+                                             &found));
+    return (wait64_fn)fn;
+}
+
 /* The client's stream produces the inputs (a copy into the region), runs
  * the prefill through kdad, and consumes the output (a copy out), all
  * enqueued while a gate at the stream's head holds it: the host enqueues
@@ -629,11 +653,7 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     uint64_t dev;
     assert_int_equal(kdac_shm_map_device(&f.shm, &dev, &err), KDAC_OK);
-    void *fn = NULL;
-    enum cudaDriverEntryPointQueryResult found;
-    CUDA_OK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault,
-                                             &found));
-    wait64_fn wait64 = (wait64_fn)fn;
+    wait64_fn wait64 = stream_wait64();
 
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
@@ -677,8 +697,12 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     assert_int_equal(cudaStreamQuery(st), cudaErrorNotReady);
     assert_int_equal(*word(&f, 0), 0);
     __atomic_store_n(word(&f, 4), 1, __ATOMIC_RELEASE); /* open the gate */
-    assert_true(wait_answer(f.c, &a, 10000));
-    CUDA_OK(cudaStreamSynchronize(st));
+    if (!wait_answer(f.c, &a, 10000))
+        fail_msg("no answer after the gate opened (ready word %llu, done word %llu)",
+                 (unsigned long long)*word(&f, 0), (unsigned long long)*word(&f, 1));
+    if (!stream_finishes(f.c, st, 10000))
+        fail_msg("answered (status %d), but the stream did not finish (done word %llu)",
+                 a.status, (unsigned long long)*word(&f, 1));
     assert_int_equal(a.status, KDAC_OK);
     assert_int_equal(kdac_sem_check(&done), 1);
     assert_memory_equal(got, ref, DH_TOKEN_BYTES(LEN));
@@ -690,7 +714,9 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     assert_int_equal(kdac_prefill_on_stream(f.c, st, "nope", &rq, 1, &ready, &done2, on_answer,
                                             &b, &err), KDAC_OK);
     assert_true(wait_answer(f.c, &b, 10000));
-    CUDA_OK(cudaStreamSynchronize(st));
+    if (!stream_finishes(f.c, st, 10000))
+        fail_msg("a failed request left the stream waiting (done word %llx)",
+                 (unsigned long long)*word(&f, 2));
     assert_int_equal(b.status, KDAC_E_UNKNOWN_LAYER);
     assert_int_equal(kdac_sem_check(&done2), -1);
 
