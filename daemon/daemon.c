@@ -187,7 +187,7 @@ static void start_metrics(kd_daemon *d)
 static bool watchdog_progress(void *arg, uint64_t interval_ns)
 {
     kd_daemon *d = arg;
-    return !d->engine.runs || uv_hrtime() - d->engine.progress_ns < interval_ns;
+    return kd_engine_progressing(&d->engine, interval_ns);
 }
 
 static void on_housekeeping(uv_timer_t *t)

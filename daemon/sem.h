@@ -33,6 +33,8 @@ typedef struct kd_ready_wait {
     kd_sem_word word;
     uint64_t since_ns;       /* uv_hrtime() when it began to wait */
     void *owner;             /* the request */
+    kd_batch *launched;      /* its batch, already queued behind a device-side wait for the
+                                word (engine.h), or NULL */
     kd_ready_set *set;       /* NULL when not waiting */
     struct kd_ready_wait *prev, *next;
 } kd_ready_wait;
