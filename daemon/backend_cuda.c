@@ -76,6 +76,13 @@
  * (a step is one or two driver calls).  A batch of steps alone with nothing
  * to copy out is watched through its done word, written after its end event.
  *
+ * Gated prefills (a ready word not written yet) whose tensors are all device
+ * memory may be queued before their words come, each on a lane of its own
+ * behind a cuStreamWaitValue64 (cuda_lane, submit_gated): the GPU starts the
+ * kernel when the client's stream writes the word.  A lane shares nothing with
+ * the batches above (stream, kernel counters, table, graphs, staging, the
+ * in-flight count); the loop watches its end word once the word was reached.
+ *
  * Any CUDA error during a batch is treated as fatal (KD_BATCH_FATAL): the
  * context cannot be trusted afterwards, and kdad exits so that systemd
  * restarts it with a fresh one.

@@ -17,7 +17,11 @@
  * call kd_engine_pump only when they changed what can run (a client's work
  * dropped, a reload's limits).  A prefill with a ready word stays gated in
  * the scheduler until the word reaches its value (sem.h): then it can run,
- * or after batching.ready_timeout_ms it fails.  It tells its owner about a device failure
+ * or after batching.ready_timeout_ms it fails.  With batching.ready_on_device,
+ * one whose tensors are all in device memory is launched as soon as it heads
+ * its slots' FIFOs, on a backend lane behind a device-side wait for its word
+ * (backend.h, submit_gated); the word's outcome then goes to the backend.  It
+ * tells its owner about a device failure
  * (on_fatal) and, after every pump, that its work may have run out
  * (on_settled: a drain may be over).
  */
