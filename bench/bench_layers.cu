@@ -15,7 +15,19 @@
  *           response awaited before the consumer is enqueued;
  *   stream  through kdad, stream-ordered (kdac_prefill_on_stream): the host
  *           enqueues every layer at once, the stream writes each ready word
- *           and waits for each done word.
+ *           and waits for each done word; kdad launches a request once its
+ *           loop has seen the word (batching.ready_on_device: false);
+ *   stream-device  the same through a second kdad with ready_on_device: true,
+ *           which queues each request on the GPU behind a device-side wait
+ *           for its word.
+ *   floor   no kdad: a second process of this program plays its part with
+ *           nothing but the device-side wait, the kernel library and the
+ *           done word on its own stream (enqueued for every pass at once), the
+ *           first writes and waits as in stream: what any server in another
+ *           process costs per layer at least (the GPU switching between two
+ *           processes' contexts), whatever it does on its host.
+ * The two stream variants alternate, two rounds of `passes` each, so that
+ * both see the same GPU; their medians are over both rounds.
  * Inputs and outputs live in device memory registered with kdad as a CUDA
  * IPC region; the semaphore words in a shared memory region mapped for both
  * GPUs' streams.  Every sequence starts FRESH each pass, so all variants
@@ -36,11 +48,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <string>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 #include <vector>
+
+#include <cuda.h>
 
 #include "kda_cuda.h"
 #include "kdaclient.h"
@@ -58,13 +72,6 @@ static void die(const char *what, const char *msg)
 {
     fprintf(stderr, "bench_layers: %s: %s\n", what, msg);
     exit(1);
-}
-
-static double now_s()
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return double(t.tv_sec) + t.tv_nsec * 1e-9;
 }
 
 /* The producer and the consumer: 16-byte copies, grid-stride. */
@@ -111,19 +118,26 @@ struct Daemon {
     char sock[128] = "";
 };
 
-static void start_kdad(Daemon &d, const char *path, int heads, int slots)
+/* ready_on_device false: a configuration file in its folder turns the device-side wait off. */
+static void start_kdad(Daemon &d, const char *path, int heads, int slots, bool ready_on_device)
 {
     snprintf(d.dir, sizeof d.dir, "/tmp/kdad-layers-XXXXXX");
     if (!mkdtemp(d.dir))
         die("mkdtemp", strerror(errno));
     snprintf(d.sock, sizeof d.sock, "%s/kdad.sock", d.dir);
-    char h[16], s[16];
+    char h[16], s[16], conf[96];
     snprintf(h, sizeof h, "%d", heads);
     snprintf(s, sizeof s, "%d", slots);
+    snprintf(conf, sizeof conf, "%s/kdad.yaml", d.dir);
+    FILE *f = fopen(conf, "w");
+    if (!f)
+        die(conf, strerror(errno));
+    fprintf(f, "batching:\n  ready_on_device: %s\n", ready_on_device ? "true" : "false");
+    fclose(f);
     d.pid = fork();
     if (d.pid == 0) {
-        execl(path, path, "--backend", "cuda", "--heads", h, "--slots", s, "--socket", d.sock,
-              "--log-level", "warning", (char *)NULL);
+        execl(path, path, "--config", conf, "--backend", "cuda", "--heads", h, "--slots", s,
+              "--socket", d.sock, "--log-level", "warning", (char *)NULL);
         _exit(127);
     }
 }
@@ -185,7 +199,8 @@ struct Setup {
     uint64_t off_q, off_k, off_v, off_g, off_out, off_beta;
 };
 
-static void make_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
+/* Sizes and offsets only (the floor's second process maps the buffer it is given). */
+static void plan_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
 {
     s.H = H;
     s.L = L;
@@ -205,6 +220,11 @@ static void make_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
     s.off_out = 4 * s.tok_bytes + (s.beta_bytes + 4095) / 4096 * 4096;
     s.in_bytes = 4 * s.tok_bytes + s.beta_bytes;
     s.region_bytes = (s.off_out + s.tok_bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+}
+
+static void make_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
+{
+    plan_setup(s, H, L, lens);
     CK(cudaMalloc(&s.buf, s.region_bytes));
     CK(cudaMalloc(&s.src, (s.in_bytes + 15) / 16 * 16));
     CK(cudaMalloc(&s.resid, s.tok_bytes));
@@ -269,31 +289,37 @@ struct PassEvents {
     }
 };
 
-static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
-{
+/* The kernel library's view of the L layers over a buffer laid out as Setup says: the kernel,
+ * a layer's weights, a pool of L x nseq slots, one descriptor table per layer (its own slots,
+ * FRESH sequences). */
+struct Layers {
     kda_cuda *cu;
+    float *a_log, *dt_bias;
+    kda_layer *dlayer;
+    kda_pool pool;
+    std::vector<kda_seq *> tables;
+    int32_t *dn;
+};
+
+static void layers_init(Layers &k, const Setup &s, uint8_t *b)
+{
     kda_error err;
-    if (kda_cuda_create(0, &cu, &err) != KDA_OK)
+    if (kda_cuda_create(0, &k.cu, &err) != KDA_OK)
         die("kda_cuda_create", err.msg);
     const int H = s.H, L = s.L, N = s.nseq;
-    float *a_log, *dt_bias;
-    CK(cudaMalloc(&a_log, sizeof(float) * H));
-    CK(cudaMalloc(&dt_bias, sizeof(float) * H * KDA_HEAD_DIM));
+    CK(cudaMalloc(&k.a_log, sizeof(float) * H));
+    CK(cudaMalloc(&k.dt_bias, sizeof(float) * H * KDA_HEAD_DIM));
     std::vector<float> ha(H, 0.5f), hd(size_t(H) * KDA_HEAD_DIM, 0.25f);
-    CK(cudaMemcpy(a_log, ha.data(), ha.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dt_bias, hd.data(), hd.size() * 4, cudaMemcpyHostToDevice));
-    kda_layer layer = {a_log, dt_bias, -5.0f, 0.08838834764831845f};
-    kda_layer *dlayer;
-    CK(cudaMalloc(&dlayer, sizeof layer));
-    CK(cudaMemcpy(dlayer, &layer, sizeof layer, cudaMemcpyHostToDevice));
-    kda_pool pool = {nullptr, KDA_DTYPE_F32, H, int64_t(L) * N};
-    CK(cudaMalloc(&pool.state, size_t(L) * N * kda_slot_elems(H) * 4));
-    /* one descriptor table per layer (its own slots), FRESH sequences */
-    std::vector<kda_seq *> tables(L);
-    int32_t *dn;
-    CK(cudaMalloc(&dn, sizeof(int32_t)));
-    CK(cudaMemcpy(dn, &N, sizeof N, cudaMemcpyHostToDevice));
-    uint8_t *b = s.buf;
+    CK(cudaMemcpy(k.a_log, ha.data(), ha.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(k.dt_bias, hd.data(), hd.size() * 4, cudaMemcpyHostToDevice));
+    kda_layer layer = {k.a_log, k.dt_bias, -5.0f, 0.08838834764831845f};
+    CK(cudaMalloc(&k.dlayer, sizeof layer));
+    CK(cudaMemcpy(k.dlayer, &layer, sizeof layer, cudaMemcpyHostToDevice));
+    k.pool = {nullptr, KDA_DTYPE_F32, H, int64_t(L) * N};
+    CK(cudaMalloc(&k.pool.state, size_t(L) * N * kda_slot_elems(H) * 4));
+    k.tables.assign(L, nullptr);
+    CK(cudaMalloc(&k.dn, sizeof(int32_t)));
+    CK(cudaMemcpy(k.dn, &N, sizeof N, cudaMemcpyHostToDevice));
     for (int l = 0; l < L; l++) {
         std::vector<int64_t> slots(N);
         for (int j = 0; j < N; j++)
@@ -301,15 +327,42 @@ static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t
         std::vector<kda_seq> seqs(N);
         if (kda_seqs_from_packed(seqs.data(), N, H, s.cu.data(), s.T, slots.data(), (uint16_t *)(b + s.off_q),
                                  (uint16_t *)(b + s.off_k), (uint16_t *)(b + s.off_v), (uint16_t *)(b + s.off_g),
-                                 (uint16_t *)(b + s.off_beta), (uint16_t *)(b + s.off_out), dlayer,
+                                 (uint16_t *)(b + s.off_beta), (uint16_t *)(b + s.off_out), k.dlayer,
                                  &err) != KDA_OK ||
-            kda_cuda_batch_check(&pool, seqs.data(), N, &err) != KDA_OK)
+            kda_cuda_batch_check(&k.pool, seqs.data(), N, &err) != KDA_OK)
             die("descriptors", err.msg);
         for (kda_seq &q : seqs)
             q.flags = KDA_SEQ_ZERO_STATE;
-        CK(cudaMalloc(&tables[l], sizeof(kda_seq) * N));
-        CK(cudaMemcpy(tables[l], seqs.data(), sizeof(kda_seq) * N, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&k.tables[l], sizeof(kda_seq) * N));
+        CK(cudaMemcpy(k.tables[l], seqs.data(), sizeof(kda_seq) * N, cudaMemcpyHostToDevice));
     }
+}
+
+static void layers_run(Layers &k, const Setup &s, int l, cudaStream_t st)
+{
+    kda_error err;
+    if (kda_cuda_prefill(k.cu, &k.pool, k.tables[l], k.dn, s.nseq, st, &err) != KDA_OK)
+        die("kda_cuda_prefill", err.msg);
+}
+
+static void layers_free(Layers &k)
+{
+    for (kda_seq *t : k.tables)
+        cudaFree(t);
+    cudaFree(k.dn);
+    cudaFree(k.pool.state);
+    cudaFree(k.dlayer);
+    cudaFree(k.a_log);
+    cudaFree(k.dt_bias);
+    kda_cuda_destroy(k.cu);
+}
+
+static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
+{
+    const int L = s.L;
+    uint8_t *b = s.buf;
+    Layers k;
+    layers_init(k, s, b);
     PassEvents ev;
     ev.init(L);
     std::vector<double> pass_ms, slots;
@@ -318,8 +371,7 @@ static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t
         for (int l = 0; l < L; l++) {
             copy_async(b, s.src, s.in_bytes, st);
             CK(cudaEventRecord(ev.prod[l], st));
-            if (kda_cuda_prefill(cu, &pool, tables[l], dn, N, st, &err) != KDA_OK)
-                die("kda_cuda_prefill", err.msg);
+            layers_run(k, s, l, st);
             CK(cudaEventRecord(ev.cons[l], st));
             copy_async(s.resid, b + s.off_out, s.tok_bytes, st);
         }
@@ -335,14 +387,7 @@ static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t
     last_out.resize(s.tok_bytes / 2);
     CK(cudaMemcpy(last_out.data(), b + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
-    for (kda_seq *t : tables)
-        cudaFree(t);
-    cudaFree(dn);
-    cudaFree(pool.state);
-    cudaFree(dlayer);
-    cudaFree(a_log);
-    cudaFree(dt_bias);
-    kda_cuda_destroy(cu);
+    layers_free(k);
     return {median(pass_ms), median(slots), false};
 }
 
@@ -456,7 +501,15 @@ static void drive_until(kdac_client *c, cudaEvent_t ev)
     CK(cudaEventSynchronize(ev));
 }
 
-static Timing kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
+/* Accumulates its passes and slots into acc (two rounds make one Timing). */
+struct StreamAcc {
+    std::vector<double> pass_ms, slots;
+    bool ran_ahead = true;
+    Timing timing() const { return {median(pass_ms), median(slots), ran_ahead}; }
+};
+
+static void kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out,
+                        StreamAcc &acc)
 {
     const int L = s.L;
     std::vector<std::vector<kdac_seq>> seqs(L);
@@ -465,7 +518,6 @@ static Timing kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::v
     memset(k.sems.base, 0, k.sems.size);
     PassEvents ev;
     ev.init(L);
-    std::vector<double> pass_ms, slots;
     bool ran_ahead = true;
     kdac_error err;
     Answers ans;
@@ -494,8 +546,8 @@ static Timing kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::v
         std::vector<double> sl;
         double ms = ev.read(sl);
         if (p >= 0) {
-            pass_ms.push_back(ms);
-            slots.insert(slots.end(), sl.begin(), sl.end());
+            acc.pass_ms.push_back(ms);
+            acc.slots.insert(acc.slots.end(), sl.begin(), sl.end());
         }
     }
     while (ans.done < sent) {
@@ -509,11 +561,138 @@ static Timing kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::v
     last_out.resize(s.tok_bytes / 2);
     CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
-    return {median(pass_ms), median(slots), ran_ahead};
+    acc.ran_ahead &= ran_ahead;
+}
+
+/* Stream memory operations through the driver (the runtime has none). */
+typedef CUresult (*value64_fn)(CUstream s, CUdeviceptr addr, cuuint64_t value, unsigned flags);
+
+static value64_fn driver_value64(const char *name)
+{
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    CK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found));
+    if (!fn)
+        die(name, "not in this driver");
+    return (value64_fn)fn;
+}
+
+/* The floor's server: H L passes lens ipc-handle(hex) words-fd words-bytes.  Waits for each
+ * layer's ready word, runs it, writes its done word (values as kdad_stream's), for every pass. */
+static int floor_server(char **a)
+{
+    const int H = atoi(a[0]), L = atoi(a[1]), passes = atoi(a[2]);
+    std::vector<int64_t> lens;
+    for (char *p = a[3]; *p;) {
+        lens.push_back(strtoll(p, &p, 10));
+        if (*p == ',')
+            p++;
+    }
+    cudaIpcMemHandle_t h;
+    for (size_t i = 0; i < sizeof h; i++)
+        sscanf(a[4] + 2 * i, "%2hhx", (unsigned char *)&h + i);
+    const int fd = atoi(a[5]);
+    const size_t bytes = strtoull(a[6], nullptr, 10);
+    Setup s;
+    plan_setup(s, H, L, lens);
+    CK(cudaIpcOpenMemHandle((void **)&s.buf, h, cudaIpcMemLazyEnablePeerAccess));
+    void *words = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (words == MAP_FAILED)
+        die("mmap", strerror(errno));
+    CK(cudaHostRegister(words, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    uint64_t dev;
+    CK(cudaHostGetDevicePointer((void **)&dev, words, 0));
+    value64_fn wait64 = driver_value64("cuStreamWaitValue64"), write64 = driver_value64("cuStreamWriteValue64");
+    Layers k;
+    layers_init(k, s, s.buf);
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (int p = -1; p < passes; p++) {
+        for (int l = 0; l < L; l++) {
+            uint64_t value = uint64_t(p + 2), off = 16u * uint64_t(l);
+            if (wait64((CUstream)st, dev + off, value, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
+                die("floor", "cuStreamWaitValue64");
+            layers_run(k, s, l, st);
+            if (write64((CUstream)st, dev + off + 8, value, 0) != CUDA_SUCCESS)
+                die("floor", "cuStreamWriteValue64");
+        }
+    }
+    CK(cudaStreamSynchronize(st));
+    layers_free(k);
+    return 0;
+}
+
+/* The floor's client: kdad_stream's loop against floor_server, words in k's semaphore region. */
+static Timing floor_pair(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
+{
+    const int L = s.L;
+    memset(k.sems.base, 0, k.sems.size);
+    cudaIpcMemHandle_t h;
+    CK(cudaIpcGetMemHandle(&h, s.buf));
+    char hex[2 * sizeof h + 1], args[4][32];
+    for (size_t i = 0; i < sizeof h; i++)
+        snprintf(hex + 2 * i, 3, "%02x", ((unsigned char *)&h)[i]);
+    std::string lens;
+    for (int64_t n : s.lens)
+        lens += (lens.empty() ? "" : ",") + std::to_string(n);
+    int fd = dup(k.sems.fd); /* without close-on-exec */
+    snprintf(args[0], sizeof args[0], "%d", s.H);
+    snprintf(args[1], sizeof args[1], "%d", L);
+    snprintf(args[2], sizeof args[2], "%d", passes);
+    snprintf(args[3], sizeof args[3], "%d", fd);
+    char bytes[32];
+    snprintf(bytes, sizeof bytes, "%llu", (unsigned long long)k.sems.size);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/proc/self/exe", "bench_layers", "--floor-server", args[0], args[1], args[2], lens.c_str(), hex,
+              args[3], bytes, (char *)nullptr);
+        _exit(127);
+    }
+    close(fd);
+    value64_fn wait64 = driver_value64("cuStreamWaitValue64"), write64 = driver_value64("cuStreamWriteValue64");
+    PassEvents ev;
+    ev.init(L);
+    std::vector<double> pass_ms, slots;
+    for (int p = -1; p < passes; p++) {
+        uint64_t value = uint64_t(p + 2);
+        CK(cudaEventRecord(ev.start, st));
+        for (int l = 0; l < L; l++) {
+            copy_async(s.buf, s.src, s.in_bytes, st);
+            CK(cudaEventRecord(ev.prod[l], st));
+            uint64_t off = 16u * uint64_t(l);
+            if (write64((CUstream)st, k.sem_dev + off, value, 0) != CUDA_SUCCESS ||
+                wait64((CUstream)st, k.sem_dev + off + 8, value, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
+                die("floor", "stream memory operations");
+            CK(cudaEventRecord(ev.cons[l], st));
+            copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
+        }
+        CK(cudaEventRecord(ev.stop, st));
+        while (cudaEventQuery(ev.stop) == cudaErrorNotReady) {
+            int status;
+            if (waitpid(pid, &status, WNOHANG) == pid)
+                die("floor", "its server exited early");
+        }
+        std::vector<double> sl;
+        double ms = ev.read(sl);
+        if (p >= 0) {
+            pass_ms.push_back(ms);
+            slots.insert(slots.end(), sl.begin(), sl.end());
+        }
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        die("floor", "its server failed");
+    last_out.resize(s.tok_bytes / 2);
+    CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
+    ev.destroy();
+    return {median(pass_ms), median(slots), true};
 }
 
 int main(int argc, char **argv)
 {
+    if (argc == 9 && !strcmp(argv[1], "--floor-server"))
+        return floor_server(argv + 2);
     const char *kdad = nullptr, *json = nullptr;
     int L = 20, passes = 10;
     for (int i = 1; i < argc; i++) {
@@ -545,41 +724,60 @@ int main(int argc, char **argv)
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (int H : {32, 96}) {
-        Daemon d;
-        start_kdad(d, kdad, H, 256);
-        kdac_client *c = connect_kdad(d);
+        Daemon d, dh; /* ready_on_device on and off */
+        start_kdad(d, kdad, H, 256, true);
+        start_kdad(dh, kdad, H, 256, false);
+        kdac_client *c = connect_kdad(d), *ch = connect_kdad(dh);
         for (const Workload &w : workloads) {
             Setup s;
             make_setup(s, H, L, w.lens);
-            std::vector<uint16_t> o_in, o_sync, o_stream;
+            std::vector<uint16_t> o_in, o_sync, o_dev, o_host;
             Timing ti = inproc(s, passes, st, o_in);
-            Kdad k;
+            Kdad k, kh;
             kdad_setup(k, c, s);
+            kdad_setup(kh, ch, s);
             Timing ts = kdad_sync(k, s, passes, st, o_sync);
-            Timing tst = kdad_stream(k, s, passes, st, o_stream);
+            StreamAcc adev, ahost;
+            bool equal_dev = true, equal_host = true;
+            for (int round = 0; round < 2; round++) {
+                kdad_stream(kh, s, passes, st, o_host, ahost);
+                equal_host &= o_host == o_in;
+                kdad_stream(k, s, passes, st, o_dev, adev);
+                equal_dev &= o_dev == o_in;
+            }
+            Timing tdev = adev.timing(), thost = ahost.timing();
+            std::vector<uint16_t> o_floor;
+            Timing tf = floor_pair(k, s, passes, st, o_floor);
             kdad_teardown(k);
+            kdad_teardown(kh);
             free_setup(s);
             rows.push_back({H, w.name, "inproc", ti, 1.0, 0.0, true});
             rows.push_back({H, w.name, "sync", ts, ts.pass_ms / ti.pass_ms, ts.slot_ms - ti.slot_ms, o_sync == o_in});
-            rows.push_back({H, w.name, "stream", tst, tst.pass_ms / ti.pass_ms, tst.slot_ms - ti.slot_ms,
-                            o_stream == o_in});
-            fprintf(stderr, "H%d %s: inproc %.3f ms, sync %.3f ms, stream %.3f ms per pass\n", H, w.name.c_str(),
-                    ti.pass_ms, ts.pass_ms, tst.pass_ms);
+            rows.push_back({H, w.name, "stream", thost, thost.pass_ms / ti.pass_ms, thost.slot_ms - ti.slot_ms,
+                            equal_host});
+            rows.push_back({H, w.name, "stream-device", tdev, tdev.pass_ms / ti.pass_ms, tdev.slot_ms - ti.slot_ms,
+                            equal_dev});
+            rows.push_back({H, w.name, "floor", tf, tf.pass_ms / ti.pass_ms, tf.slot_ms - ti.slot_ms,
+                            o_floor == o_in});
+            fprintf(stderr, "H%d %s: inproc %.3f ms, sync %.3f ms, stream %.3f ms, stream-device %.3f ms, floor %.3f ms "
+                    "per pass\n", H, w.name.c_str(), ti.pass_ms, ts.pass_ms, thost.pass_ms, tdev.pass_ms, tf.pass_ms);
         }
         kdac_client_close(c);
+        kdac_client_close(ch);
         stop_kdad(d);
+        stop_kdad(dh);
     }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("\nlayer loop on %s: %d layers (producer copy, KDA, consumer copy) per forward pass, median of %d "
            "passes; slot = producer end -> consumer start per layer (median), idle = slot - inproc slot\n",
            prop.name, L, passes);
-    printf("%-4s %-9s %-7s %10s %8s %9s %9s %8s %10s\n", "H", "workload", "variant", "pass ms", "ratio",
+    printf("%-4s %-9s %-13s %10s %8s %9s %9s %8s %10s\n", "H", "workload", "variant", "pass ms", "ratio",
            "slot ms", "idle ms", "out ==", "ran ahead");
     for (const Row &r : rows)
-        printf("%-4d %-9s %-7s %10.3f %7.3fx %9.3f %9.3f %8s %10s\n", r.heads, r.workload.c_str(),
+        printf("%-4d %-9s %-13s %10.3f %7.3fx %9.3f %9.3f %8s %10s\n", r.heads, r.workload.c_str(),
                r.variant.c_str(), r.t.pass_ms, r.ratio, r.t.slot_ms, r.idle_ms, r.equal ? "yes" : "NO",
-               r.variant == "stream" ? (r.t.ran_ahead ? "yes" : "no") : "-");
+               r.variant.rfind("stream", 0) == 0 ? (r.t.ran_ahead ? "yes" : "no") : "-");
     if (json) {
         FILE *f = fopen(json, "w");
         if (!f)

@@ -14,18 +14,46 @@ void kd_backend_destroy(kd_backend *b)
         b->ops->destroy(b);
 }
 
-int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
+static void start_batch(kd_batch *batch, bool gated)
 {
     batch->status = KD_BATCH_OK;
     batch->code = KP_OK;
     batch->message[0] = '\0';
     batch->on_device = false;
+    batch->gated = gated;
     uint64_t formed = batch->t.formed_ns;
     batch->t = (kd_batch_timing){.formed_ns = formed, .submit_ns = uv_hrtime()};
+}
+
+int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
+{
+    start_batch(batch, false);
     int rc = b->ops->submit(b, batch, err);
     if (rc == KP_OK)
         b->inflight++;
     return rc;
+}
+
+int kd_backend_submit_gated(kd_backend *b, kd_batch *batch, const kd_sem_word *ready,
+                            kp_error *err)
+{
+    if (!b->ops->submit_gated || b->gated_inflight >= b->info.gated_lanes)
+        return kp_fail(err, KP_E_INTERNAL, "no free lane for a gated batch");
+    start_batch(batch, true);
+    int rc = b->ops->submit_gated(b, batch, ready, err);
+    if (rc == KP_OK)
+        b->gated_inflight++;
+    return rc;
+}
+
+void kd_backend_gated_go(kd_backend *b, kd_batch *batch)
+{
+    b->ops->gated_go(b, batch);
+}
+
+void kd_backend_gated_cancel(kd_backend *b, kd_batch *batch, const kp_error *err)
+{
+    b->ops->gated_cancel(b, batch, err->code, err->message);
 }
 
 void kd_backend_launched(kd_backend *b, kd_batch *batch)
@@ -58,7 +86,10 @@ void kd_backend_complete(kd_backend *b, kd_batch *batch)
         t->done_ns = uv_hrtime();
     if (!t->unstaged_ns)
         t->unstaged_ns = uv_hrtime();
-    b->inflight--;
+    if (batch->gated)
+        b->gated_inflight--;
+    else
+        b->inflight--;
     b->done(b->done_ctx, batch);
 }
 

@@ -121,6 +121,7 @@ typedef struct kd_batch {
      * clears them at submit), replied_ns by the daemon. */
     kd_batch_timing t;
     bool on_device;    /* backend.c: counted in kd_backend.on_device */
+    bool gated;        /* submitted behind a device-side wait (kd_backend_submit_gated) */
 } kd_batch;
 
 /* Runs on the loop thread when a submitted batch is done (whatever its status). */
@@ -154,6 +155,17 @@ typedef struct kd_backend_ops {
      * the batches, or at once).  NULL when every word is host memory. */
     int (*read_word)(kd_backend *b, kd_buf word, uint64_t *value);
     void (*write_word)(kd_backend *b, kd_buf word, uint64_t value);
+    /* A batch of one gated prefill, staged now and queued on a lane of its own
+     * (never the streams, buffers, graphs or kernel counters of other batches)
+     * behind a device-side wait for `ready`: 0, or a kp_code (then the callback
+     * never fires).  NULL when the backend has no lanes (info.gated_lanes 0). */
+    int (*submit_gated)(kd_backend *b, kd_batch *batch, const kd_sem_word *ready, kp_error *err);
+    /* Its ready word was reached: the backend watches the batch to its end. */
+    void (*gated_go)(kd_backend *b, kd_batch *batch);
+    /* Its ready word never came: the launch is called off on the device (it
+     * changes nothing and its done words get the failure value) and released;
+     * the batch then completes as KD_BATCH_FAILED with `code` and `message`. */
+    void (*gated_cancel)(kd_backend *b, kd_batch *batch, int code, const char *message);
     /* Frees everything; no batch may be in flight. */
     void (*destroy)(kd_backend *b);
 } kd_backend_ops;
@@ -175,6 +187,7 @@ typedef struct kd_backend_info {
                                    0: no waves (hold.h gathers nothing) */
     uint32_t paired_chains;     /* up to this many chains run on two SMs each */
     bool sems;                  /* it writes batches' done words (stream-ordered prefills) */
+    uint32_t gated_lanes;       /* gated batches it takes at once (submit_gated); 0: none */
 } kd_backend_info;
 
 struct kd_backend {
@@ -188,6 +201,7 @@ struct kd_backend {
     uint32_t inflight;          /* batches submitted and not completed */
     uint32_t on_device;         /* of those, batches launched on the device and not finished
                                    there (not staging, not unstaging) */
+    uint32_t gated_inflight;    /* gated batches submitted and not completed (not in inflight) */
 };
 
 typedef struct kd_backend_config {
@@ -215,6 +229,12 @@ void kd_backend_destroy(kd_backend *b);
 
 /* Submits and counts the batch in flight. */
 int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err);
+/* A gated batch (backend_ops.submit_gated), counted in gated_inflight; the
+ * ready word's outcome goes to the backend through the two calls after it. */
+int kd_backend_submit_gated(kd_backend *b, kd_batch *batch, const kd_sem_word *ready,
+                            kp_error *err);
+void kd_backend_gated_go(kd_backend *b, kd_batch *batch);
+void kd_backend_gated_cancel(kd_backend *b, kd_batch *batch, const kp_error *err);
 /* Called by backends on the loop thread when a batch's device work starts
  * (cuda: enqueued on the streams; cpu: handed to the worker, its device). */
 void kd_backend_launched(kd_backend *b, kd_batch *batch);

@@ -76,6 +76,13 @@
  * (a step is one or two driver calls).  A batch of steps alone with nothing
  * to copy out is watched through its done word, written after its end event.
  *
+ * Gated prefills (a ready word not written yet) whose tensors are all device
+ * memory may be queued before their words come, each on a lane of its own
+ * behind a cuStreamWaitValue64 (cuda_lane, submit_gated): the GPU starts the
+ * kernel when the client's stream writes the word.  A lane shares nothing with
+ * the batches above (stream, kernel counters, table, graphs, staging, the
+ * in-flight count); the loop watches its end word once the word was reached.
+ *
  * Any CUDA error during a batch is treated as fatal (KD_BATCH_FATAL): the
  * context cannot be trusted afterwards, and kdad exits so that systemd
  * restarts it with a fresh one.
@@ -129,6 +136,9 @@ typedef struct xfer_list {
 
 /* The launch table: the count, padded so that the descriptors after it are aligned. */
 #define TABLE_HEAD 64
+/* A lane's table head also holds its done word's address and value (cuda_lane). */
+#define LANE_DONE_ADDR 8
+#define LANE_DONE_VALUE 16
 static size_t table_bytes(uint32_t nseqs)
 {
     return TABLE_HEAD + (size_t)nseqs * sizeof(kda_seq);
@@ -171,6 +181,43 @@ typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr pt
 typedef CUresult (*write_value_fn)(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned flags);
 typedef CUresult (*write_value64_fn)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
                                      unsigned flags);
+typedef CUresult (*wait_value64_fn)(CUstream stream, CUdeviceptr addr, cuuint64_t value,
+                                    unsigned flags);
+
+typedef enum lane_state {
+    LANE_FREE = 0,
+    LANE_WAITING,  /* queued behind the device-side wait for its ready word */
+    LANE_WATCHED,  /* the word was reached (or written by kdad on cancel): its end is watched */
+} lane_state;
+
+/*
+ * A gated prefill's own launch (backend.h, submit_gated): a stream, a kernel
+ * instance (its scheduler counters and scratch: two persistent kernels must not
+ * share them), a launch table and one graph per bucket, so that nothing of the
+ * double-buffered batches waits for the word.  On its stream:
+ *   wait ready >= its value,
+ *   graph [upload table, k0_ev, kernel, k1_ev, store the table's done value at its done address],
+ *   end_ev, write 1 -> end word
+ * The table's head holds [count | done address | done value] (LANE_DONE_*), all read on the
+ * device when the graph runs.  Called off (the word never came): the count becomes 0 and the
+ * done value value | KP_SEM_FAILED in the pinned table (the upload copies them once the wait
+ * is released: the kernel runs no work, the done word gets the failure value), then kdad
+ * itself stores the ready value into the ready word, which releases the wait.
+ */
+typedef struct cuda_lane {
+    lane_state state;
+    kd_batch *batch;
+    cudaStream_t stream;
+    kda_cuda *k;
+    uint8_t *table_host, *table_dev;
+    cudaGraphExec_t *graphs;     /* one per bucket */
+    cudaEvent_t k0_ev, k1_ev, end_ev;
+    uint32_t *end_host;          /* written 1 last (pinned, mapped); NULL: end_ev is asked */
+    CUdeviceptr end_dev;
+    kd_sem_word ready;
+    bool cancelled;
+    uint64_t ask_ns;             /* next time end_ev is asked for a device fault */
+} cuda_lane;
 
 /* The driver's VMM calls that open a client's exported allocation (posix_fd regions); all NULL
  * if the driver lacks one of them. */
@@ -217,6 +264,11 @@ typedef struct cuda_backend {
     uint32_t *done_words;    /* one per buffer, pinned and mapped */
     write_value64_fn write_value64; /* cuStreamWriteValue64, for requests' done words; NULL: the
                                        backend offers no semaphores */
+    wait_value64_fn wait_value64;   /* cuStreamWaitValue64, for the lanes */
+    cuda_lane lanes[KD_CUDA_GATED_LANES];
+    uint32_t nlanes;         /* lanes set up (0: gated prefills wait on the host) */
+    uint32_t *lane_words;    /* the lanes' end words, pinned and mapped */
+    uv_idle_t lane_spin;     /* watches lanes whose words were reached */
     vmm_api vmm;
     /* The completion thread and what it shares with the loop (under mu). */
     kd_cuda_completion completion;
@@ -994,6 +1046,207 @@ static int cuda_submit(kd_backend *b, kd_batch *batch, kp_error *err)
 }
 
 /* ---------------------------------------------------------------------- */
+/* Gated launches: a lane per prefill, behind a device-side wait           */
+/* ---------------------------------------------------------------------- */
+
+static cuda_lane *lane_of(cuda_backend *cb, const kd_batch *b)
+{
+    for (uint32_t i = 0; i < cb->nlanes; i++) {
+        if (cb->lanes[i].batch == b)
+            return &cb->lanes[i];
+    }
+    return NULL;
+}
+
+static void on_lane_spin(uv_idle_t *h);
+
+static void watch_lane(cuda_backend *cb, cuda_lane *ln)
+{
+    ln->state = LANE_WATCHED;
+    ln->ask_ns = uv_hrtime() + KD_CUDA_FAULT_POLL_NS;
+    uv_idle_start(&cb->lane_spin, on_lane_spin);
+}
+
+/* The batch's descriptors: every tensor is device memory (engine.c takes no other). */
+static bool lane_stage(cuda_backend *cb, cuda_lane *ln, kd_batch *b)
+{
+    kda_seq *desc = (kda_seq *)(ln->table_host + TABLE_HEAD);
+    if (b->nops || b->nsteps || b->ndones > 1 || b->nseqs == 0 ||
+        b->nseqs > cb->buckets[cb->nbuckets - 1]) {
+        stage_fail(b, KP_E_INTERNAL, "a gated batch holds more than one prefill");
+        return false;
+    }
+    for (uint32_t i = 0; i < b->nseqs; i++) {
+        const kd_batch_seq *q = &b->seqs[i];
+        for (int t = 0; t < 5; t++) {
+            if (!q->in[t].dev || q->in[t].host) {
+                stage_fail(b, KP_E_INTERNAL, "a gated batch with tensors in host memory");
+                return false;
+            }
+        }
+        desc[i] = (kda_seq){.q = q->in[0].dev, .k = q->in[1].dev, .v = q->in[2].dev,
+                            .g = q->in[3].dev, .beta = q->in[4].dev, .out = q->out.dev,
+                            .layer = q->layer, .len = q->len, .slot = q->slot,
+                            .flags = q->flags};
+    }
+    qsort(desc, b->nseqs, sizeof(kda_seq), by_length_desc);
+    kda_error kerr;
+    if (kda_cuda_batch_check(&cb->base.pool, desc, b->nseqs, &kerr)) {
+        char what[220];
+        snprintf(what, sizeof(what), "%.200s", kerr.msg);
+        stage_fail(b, KP_E_INTERNAL, what);
+        return false;
+    }
+    uint64_t addr = b->ndones ? (uint64_t)(uintptr_t)b->dones[0].buf.dev : 0;
+    uint64_t value = b->ndones ? b->dones[0].value : 0;
+    memcpy(ln->table_host + LANE_DONE_ADDR, &addr, sizeof(addr));
+    memcpy(ln->table_host + LANE_DONE_VALUE, &value, sizeof(value));
+    __atomic_store_n((int32_t *)ln->table_host, (int32_t)b->nseqs, __ATOMIC_RELEASE);
+    return true;
+}
+
+static cudaError_t lane_enqueue(cuda_backend *cb, cuda_lane *ln, const kd_batch *b,
+                                const char **what)
+{
+    cudaError_t e = cudaSuccess;
+    CUstream st = (CUstream)ln->stream;
+    *what = "queueing a gated launch";
+    if (cb->wait_value64(st, (CUdeviceptr)(uintptr_t)ln->ready.buf.dev, ln->ready.value,
+                         CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
+        return cudaErrorUnknown;
+    if ((e = cudaGraphLaunch(ln->graphs[bucket_for(cb, b->nseqs)], ln->stream)))
+        return e;
+    if ((e = cudaEventRecord(ln->end_ev, ln->stream)))
+        return e;
+    if (ln->end_host && cb->write_value(st, ln->end_dev, 1, 0) != CUDA_SUCCESS)
+        return cudaErrorUnknown;
+    return cudaSuccess;
+}
+
+static int cuda_submit_gated(kd_backend *b, kd_batch *batch, const kd_sem_word *ready,
+                             kp_error *err)
+{
+    cuda_backend *cb = (cuda_backend *)b;
+    if (cb->fatal)
+        return kp_fail(err, KP_E_DEVICE_FAILED, "the device failed earlier");
+    cuda_lane *ln = NULL;
+    for (uint32_t i = 0; i < cb->nlanes && !ln; i++) {
+        if (cb->lanes[i].state == LANE_FREE)
+            ln = &cb->lanes[i];
+    }
+    if (!ln || !ready->buf.dev)
+        return kp_fail(err, KP_E_INTERNAL, "cuda backend: no lane for a gated batch");
+    if (!lane_stage(cb, ln, batch))
+        return kp_fail(err, batch->code, "%s", batch->message);
+    batch->t.staged_ns = uv_hrtime();
+    ln->ready = *ready;
+    ln->cancelled = false;
+    if (ln->end_host)
+        __atomic_store_n(ln->end_host, 0, __ATOMIC_RELAXED); /* the calls below order it */
+    const char *what;
+    cudaError_t e = lane_enqueue(cb, ln, batch, &what);
+    if (e != cudaSuccess) {
+        cb->fatal = true;
+        return kp_fail(err, KP_E_DEVICE_FAILED, "%s: %s", what, cudaGetErrorString(e));
+    }
+    batch->t.launched_ns = uv_hrtime();
+    ln->batch = batch;
+    ln->state = LANE_WAITING;
+    return KP_OK;
+}
+
+static void cuda_gated_go(kd_backend *b, kd_batch *batch)
+{
+    cuda_backend *cb = (cuda_backend *)b;
+    cuda_lane *ln = lane_of(cb, batch);
+    if (ln && ln->state == LANE_WAITING)
+        watch_lane(cb, ln);
+}
+
+/* Stores the ready value into a waiting lane's ready word, raising it only:
+ * the client may have written it, or more, meanwhile. */
+static void release_ready(cuda_backend *cb, const kd_sem_word *w)
+{
+    if (w->buf.host) {
+        uint64_t *p = w->buf.host, cur = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+        while (cur < w->value &&
+               !__atomic_compare_exchange_n(p, &cur, w->value, false, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE))
+            ;
+    } else {
+        cb->write_value64((CUstream)cb->aux, (CUdeviceptr)(uintptr_t)w->buf.dev, w->value, 0);
+    }
+}
+
+/* Calls a waiting lane's launch off on the device (see cuda_lane) and releases its wait: the
+ * table is still in pinned memory, read by the graph's upload only once the wait is released. */
+static void call_off(cuda_backend *cb, cuda_lane *ln)
+{
+    const kd_batch *b = ln->batch;
+    uint64_t failed = b->ndones ? b->dones[0].value | KP_SEM_FAILED : 0;
+    memcpy(ln->table_host + LANE_DONE_VALUE, &failed, sizeof(failed));
+    __atomic_store_n((int32_t *)ln->table_host, 0, __ATOMIC_SEQ_CST);
+    release_ready(cb, &ln->ready);
+    ln->cancelled = true;
+}
+
+static void cuda_gated_cancel(kd_backend *b, kd_batch *batch, int code, const char *message)
+{
+    cuda_backend *cb = (cuda_backend *)b;
+    cuda_lane *ln = lane_of(cb, batch);
+    if (!ln || ln->state != LANE_WAITING)
+        return;
+    batch->code = code;
+    snprintf(batch->message, sizeof(batch->message), "%s", message);
+    call_off(cb, ln);
+    watch_lane(cb, ln);
+}
+
+/* The loop's look at the watched lanes, on every turn while there are any: their end words
+ * cost a load; their end events are asked now and then for a device fault. */
+static void on_lane_spin(uv_idle_t *h)
+{
+    cuda_backend *cb = h->data;
+    bool watching = false;
+    for (uint32_t i = 0; i < cb->nlanes; i++) {
+        cuda_lane *ln = &cb->lanes[i];
+        if (ln->state != LANE_WATCHED)
+            continue;
+        cudaError_t e = cudaErrorNotReady;
+        uint64_t now = uv_hrtime();
+        if (ln->end_host && __atomic_load_n(ln->end_host, __ATOMIC_ACQUIRE))
+            e = cudaSuccess;
+        else if (!ln->end_host || now >= ln->ask_ns) {
+            e = cudaEventQuery(ln->end_ev);
+            ln->ask_ns = now + KD_CUDA_FAULT_POLL_NS;
+            if (e == cudaSuccess && ln->end_host)
+                e = cudaErrorNotReady; /* the end word is still on its way */
+        }
+        if (e == cudaErrorNotReady) {
+            watching = true;
+            continue;
+        }
+        kd_batch *b = ln->batch;
+        ln->batch = NULL;
+        ln->state = LANE_FREE;
+        b->t.signaled_ns = b->t.done_ns = now;
+        if (e != cudaSuccess || cb->fatal) {
+            cb->fatal = true;
+            fail_fatal(b, e != cudaSuccess ? e : cudaErrorContextIsDestroyed, "a gated launch");
+        } else if (ln->cancelled) {
+            b->status = KD_BATCH_FAILED; /* code and message set when called off */
+        } else {
+            b->t.device_ns = b->t.kernel_ns = elapsed_ns(ln->k0_ev, ln->k1_ev);
+        }
+        kd_backend_complete(&cb->base, b);
+    }
+    for (uint32_t i = 0; i < cb->nlanes && !watching; i++)
+        watching = cb->lanes[i].state == LANE_WATCHED; /* one may have begun meanwhile */
+    if (!watching)
+        uv_idle_stop(&cb->lane_spin);
+}
+
+/* ---------------------------------------------------------------------- */
 /* Layers and regions                                                     */
 /* ---------------------------------------------------------------------- */
 
@@ -1253,6 +1506,37 @@ static void find_vmm(vmm_api *v)
     }
 }
 
+/* Lanes still waiting at teardown (kdad exits after a device failure) are released first:
+ * their streams could not be drained otherwise. */
+static void free_lanes(cuda_backend *cb)
+{
+    for (uint32_t i = 0; i < KD_CUDA_GATED_LANES; i++) {
+        cuda_lane *ln = &cb->lanes[i];
+        if (ln->state == LANE_WAITING && !ln->cancelled)
+            call_off(cb, ln);
+        if (ln->stream)
+            cudaStreamSynchronize(ln->stream);
+        if (ln->graphs) {
+            for (uint32_t j = 0; j < cb->nbuckets; j++) {
+                if (ln->graphs[j])
+                    cudaGraphExecDestroy(ln->graphs[j]);
+            }
+        }
+        free(ln->graphs);
+        cudaEvent_t evs[3] = {ln->k0_ev, ln->k1_ev, ln->end_ev};
+        for (int j = 0; j < 3; j++) {
+            if (evs[j])
+                cudaEventDestroy(evs[j]);
+        }
+        cudaFreeHost(ln->table_host);
+        cudaFree(ln->table_dev);
+        if (ln->stream)
+            cudaStreamDestroy(ln->stream);
+        kda_cuda_destroy(ln->k);
+    }
+    cudaFreeHost(cb->lane_words);
+}
+
 static void free_buf(cuda_buf *bf, uint32_t nbuckets)
 {
     if (bf->graphs) {
@@ -1297,6 +1581,7 @@ static void stop_waiter(cuda_backend *cb)
 static void free_all(cuda_backend *cb)
 {
     stop_waiter(cb);
+    free_lanes(cb);
     /* Healthy streams are drained first; faulted ones return at once. */
     cudaStream_t *streams[5] = {&cb->h2d, &cb->stream, &cb->steps, &cb->d2h, &cb->aux};
     for (int i = 0; i < 5; i++) {
@@ -1334,6 +1619,7 @@ static void cuda_destroy(kd_backend *b)
     stop_waiter(cb);
     uv_close((uv_handle_t *)&cb->wake, on_handle_closed);
     uv_close((uv_handle_t *)&cb->spin, on_handle_closed);
+    uv_close((uv_handle_t *)&cb->lane_spin, on_handle_closed);
 }
 
 static const kd_backend_ops cuda_ops = {
@@ -1346,29 +1632,37 @@ static const kd_backend_ops cuda_ops = {
     .close_cuda = cuda_close_cuda,
     .read_word = cuda_read_word,
     .write_word = cuda_write_word,
+    .submit_gated = cuda_submit_gated,
+    .gated_go = cuda_gated_go,
+    .gated_cancel = cuda_gated_cancel,
     .destroy = cuda_destroy,
 };
 
-/* Captures [launch table upload, record k0_ev, kernel, record k1_ev, done word
- * write] for one bucket: the timing events are nodes of the graph, so that a
- * replay is one driver call. */
-static cudaError_t capture(cuda_backend *cb, cuda_buf *bf, uint32_t bucket, cudaGraphExec_t *out,
-                           char *err, size_t errlen)
+/* Captures [launch table upload, record k0, kernel, record k1, done word write (when done_dev)]
+ * for one bucket on stream st: the timing events are nodes of the graph, so that a replay is
+ * one driver call.  The table is [count | descriptors] (table_bytes).  A lane's graph ends
+ * with the store of its request's done word instead (cuda_lane). */
+static cudaError_t capture(cuda_backend *cb, cudaStream_t st, kda_cuda *k, const uint8_t *table_host,
+                           uint8_t *table_dev, cudaEvent_t k0, cudaEvent_t k1, CUdeviceptr done_dev,
+                           bool lane, uint32_t bucket, cudaGraphExec_t *out, char *err,
+                           size_t errlen)
 {
     cudaGraph_t graph = NULL;
-    cudaError_t e = cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal);
+    cudaError_t e = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess)
         return e;
-    cudaMemcpyAsync(bf->table_dev, bf->table_host, table_bytes(bucket), cudaMemcpyHostToDevice,
-                    cb->stream);
-    cudaEventRecordWithFlags(bf->k0_ev, cb->stream, cudaEventRecordExternal);
+    cudaMemcpyAsync(table_dev, table_host, table_bytes(bucket), cudaMemcpyHostToDevice, st);
+    cudaEventRecordWithFlags(k0, st, cudaEventRecordExternal);
     kda_error kerr;
-    int krc = kda_cuda_prefill(cb->k, &cb->base.pool, bf->desc_dev, bf->count_dev,
-                               (int32_t)bucket, cb->stream, &kerr);
-    cudaEventRecordWithFlags(bf->k1_ev, cb->stream, cudaEventRecordExternal);
-    if (bf->done_host)
-        cb->write_value((CUstream)cb->stream, bf->done_dev, 1, 0);
-    e = cudaStreamEndCapture(cb->stream, &graph);
+    int krc = kda_cuda_prefill(k, &cb->base.pool, (const kda_seq *)(table_dev + TABLE_HEAD),
+                               (const int32_t *)table_dev, (int32_t)bucket, st, &kerr);
+    cudaEventRecordWithFlags(k1, st, cudaEventRecordExternal);
+    if (done_dev)
+        cb->write_value((CUstream)st, done_dev, 1, 0);
+    if (lane && krc == KDA_OK)
+        krc = kda_cuda_store_word((uint64_t *const *)(table_dev + LANE_DONE_ADDR),
+                                  (const uint64_t *)(table_dev + LANE_DONE_VALUE), st, &kerr);
+    e = cudaStreamEndCapture(st, &graph);
     if (krc != KDA_OK) {
         snprintf(err, errlen, "capturing the kernel for %u sequences: %s", bucket, kerr.msg);
         if (graph)
@@ -1478,6 +1772,54 @@ static bool probe_write_value64(cuda_backend *cb)
     if (host)
         cudaFreeHost(host);
     return ok;
+}
+
+/* The gated lanes (cuda_lane), when the driver offers 64-bit stream waits and writes; their end
+ * words when it can write 32-bit words from a stream (else their end events are asked). */
+static cudaError_t setup_lanes(cuda_backend *cb, uint32_t max_seqs, char *err, size_t errlen)
+{
+    cb->wait_value64 = (wait_value64_fn)driver_call("cuStreamWaitValue64");
+    if (!cb->write_value64 || !cb->wait_value64)
+        return cudaSuccess;
+    const size_t table = table_bytes(max_seqs);
+    const size_t words = KD_CUDA_GATED_LANES * DONE_STRIDE_WORDS * sizeof(uint32_t);
+    void *words_dev = NULL;
+    cudaError_t e;
+    if (cb->write_value) {
+        if ((e = cudaHostAlloc((void **)&cb->lane_words, words, cudaHostAllocMapped)) ||
+            (e = cudaHostGetDevicePointer(&words_dev, cb->lane_words, 0)))
+            return e;
+        memset(cb->lane_words, 0, words);
+    }
+    for (uint32_t i = 0; i < KD_CUDA_GATED_LANES; i++) {
+        cuda_lane *ln = &cb->lanes[i];
+        kda_error kerr;
+        if (kda_cuda_create(cb->device, &ln->k, &kerr) != KDA_OK) {
+            snprintf(err, errlen, "a gated lane's kernel: %s", kerr.msg);
+            return cudaErrorUnknown;
+        }
+        if ((e = cudaStreamCreateWithFlags(&ln->stream, cudaStreamNonBlocking)) ||
+            (e = cudaMallocHost((void **)&ln->table_host, table)) ||
+            (e = cudaMalloc((void **)&ln->table_dev, table)) ||
+            (e = cudaEventCreateWithFlags(&ln->k0_ev, cudaEventDefault)) ||
+            (e = cudaEventCreateWithFlags(&ln->k1_ev, cudaEventDefault)) ||
+            (e = cudaEventCreateWithFlags(&ln->end_ev, cudaEventDisableTiming)))
+            return e;
+        memset(ln->table_host, 0, table); /* the graphs copy whole buckets */
+        if (!(ln->graphs = calloc(cb->nbuckets, sizeof(*ln->graphs))))
+            return cudaErrorMemoryAllocation;
+        for (uint32_t j = 0; j < cb->nbuckets; j++) {
+            if ((e = capture(cb, ln->stream, ln->k, ln->table_host, ln->table_dev, ln->k0_ev,
+                             ln->k1_ev, 0, true, cb->buckets[j], &ln->graphs[j], err, errlen)))
+                return e;
+        }
+        if (cb->lane_words) {
+            ln->end_host = cb->lane_words + i * DONE_STRIDE_WORDS;
+            ln->end_dev = (CUdeviceptr)(uintptr_t)words_dev + i * DONE_STRIDE_WORDS * sizeof(uint32_t);
+        }
+        cb->nlanes++;
+    }
+    return cudaSuccess;
 }
 
 static void format_uuid(char *out, size_t size, const cudaUUID_t *u)
@@ -1619,8 +1961,10 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         }
         for (uint32_t j = 0; j < cb->nbuckets; j++) {
             err[0] = '\0';
-            if ((e = capture(cb, &cb->buf[i], cb->buckets[j], &cb->buf[i].graphs[j], err,
-                             errlen))) {
+            cuda_buf *bf = &cb->buf[i];
+            if ((e = capture(cb, cb->stream, cb->k, bf->table_host, bf->table_dev, bf->k0_ev,
+                             bf->k1_ev, bf->done_host ? bf->done_dev : 0, false, cb->buckets[j],
+                             &bf->graphs[j], err, errlen))) {
                 if (!err[0])
                     cuda_err(err, errlen, e, "capturing a CUDA graph");
                 goto fail;
@@ -1640,6 +1984,13 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         cb->write_value64 = NULL;
     }
     find_vmm(&cb->vmm);
+    err[0] = '\0';
+    if ((e = setup_lanes(cb, max_seqs, err, errlen))) {
+        rc = KP_E_INTERNAL;
+        if (!err[0])
+            cuda_err(err, errlen, e, "setting up the gated lanes");
+        goto fail;
+    }
 
     b->info = (kd_backend_info){
         .kind = KP_BACKEND_CUDA,
@@ -1654,6 +2005,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         .wave_chains = (uint32_t)kda_cuda_sm_count(cb->k),
         .paired_chains = (uint32_t)kda_cuda_paired_clusters(cb->k),
         .sems = cb->write_value64 != NULL,
+        .gated_lanes = cb->nlanes,
     };
     snprintf(b->info.gpu_name, sizeof(b->info.gpu_name), "%s", prop.name);
     format_uuid(b->info.gpu_uuid, sizeof(b->info.gpu_uuid), &prop.uuid);
@@ -1671,13 +2023,17 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     cb->wake.data = cb;
     uv_idle_init(loop, &cb->spin);
     cb->spin.data = cb;
-    cb->handles_open = 2;
+    uv_idle_init(loop, &cb->lane_spin);
+    cb->lane_spin.data = cb;
+    cb->handles_open = 3;
     KD_INFO("backend cuda: %s (device %d, %s, PCI %s, %d SMs), pool of %u slots x %u heads "
             "(%s, %llu MiB), %u graph buckets up to %u sequences, staging 2 x %llu MiB each way, "
+            "%u gated lanes, "
             "completion %s",
             prop.name, device, b->info.gpu_uuid, b->info.gpu_pci_bus_id, kda_cuda_sm_count(k),
             cfg->slots, cfg->heads, cfg->dtype == KDA_DTYPE_F32 ? "f32" : "bf16",
             (unsigned long long)(pool_bytes >> 20), cb->nbuckets, max_seqs, (unsigned long long)(cb->stage_bytes >> 20),
+            cb->nlanes,
             cb->completion == KD_CUDA_COMPLETION_BLOCK ? "block" : "poll");
     *out = b;
     return KP_OK;

@@ -106,6 +106,7 @@ static const key_spec schema[] = {
     U32("batching.gather_wave_percent", gather_wave_percent, 1, 100),
     U32("batching.ready_spin_us", ready_spin_us, 0, 1000000),
     U32("batching.ready_timeout_ms", ready_timeout_ms, 1, 3600000),
+    {"batching.ready_on_device", K_BOOL, OFF(ready_on_device), 0, 0, 0, NULL},
     U32("clients.max_connections", max_connections, 1, 1u << 20),
     U32("clients.max_connections_per_uid", max_connections_per_uid, 1, 1u << 20),
     SIZE("clients.max_inflight_bytes_per_uid", OFF(max_inflight_bytes_per_uid),

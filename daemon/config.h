@@ -89,6 +89,7 @@ typedef struct kd_config {
     uint32_t gather_wave_percent; /* 1..100 [reload] */
     uint32_t ready_spin_us;     /* sem.h: the loop spins this long on a new ready wait [reload] */
     uint32_t ready_timeout_ms;  /* sem.h: a ready word below its value this long fails [reload] */
+    bool ready_on_device;       /* engine.h: gated prefills staged behind a device-side wait [reload] */
     /* clients [reload] */
     uint32_t max_connections;
     uint32_t max_connections_per_uid;     /* quota.h */

@@ -198,7 +198,7 @@ static void start_metrics(kd_daemon *d)
 static bool watchdog_progress(void *arg, uint64_t interval_ns)
 {
     kd_daemon *d = arg;
-    return !d->engine.runs || uv_hrtime() - d->engine.progress_ns < interval_ns;
+    return kd_engine_progressing(&d->engine, interval_ns);
 }
 
 /* The heap's free memory back to the system once nothing has happened for

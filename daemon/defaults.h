@@ -74,6 +74,7 @@
 #define KD_CUDA_DEPTH 2               /* fixed: batches queued on the stream (double buffering) */
 #define KD_CUDA_POLL_NS 2000          /* fixed: cuda_completion poll: how often the completion thread asks a running batch's event */
 #define KD_CUDA_FAULT_POLL_NS 100000  /* fixed: cuda_completion poll: how often a batch watched through its done word is asked for a device fault */
+#define KD_CUDA_GATED_LANES 4         /* fixed: gated prefills launched ahead of their ready words at once (a lane each) */
 #define KD_STAGE_ALIGN 256            /* fixed: staged tensors start on this boundary (kernel needs 16) */
 
 #endif /* KDAD_DEFAULTS_H */

@@ -125,10 +125,73 @@ static bool form_and_submit(kd_engine *en)
     }
     run->next = en->runs;
     en->runs = run;
+    en->nruns++;
     d->stats.batches++;
     KD_DEBUG("batch: %u requests, %u sequences, %u steps, %u operations", run->nreqs,
              run->batch.nseqs, run->batch.nsteps, run->batch.nops);
     return true;
+}
+
+/*
+ * Gated prefills that head their slots' FIFOs go to the device before their
+ * ready words are written, while the backend has free lanes: each is prepared
+ * as a batch of its own and queued on a lane behind a device-side wait for
+ * its word (backend.h, submit_gated), so the GPU starts it the moment the
+ * client's stream writes the word, with no host in between.  A lane is the
+ * request's own (stream, launch table, graphs, kernel counters), so a word
+ * written late holds back nobody else.  Those a lane cannot take (tensors in
+ * host memory, a ready word without a device address, a run-time check that
+ * fails, batching.ready_on_device off) wait on the host as before; those that
+ * find every lane busy stay first in line for the next free one.
+ */
+static void launch_gated(kd_engine *en)
+{
+    kd_daemon *d = en->d;
+    kd_backend *b = d->backend;
+    kd_job *j;
+    while (!d->fatal && b->gated_inflight < b->info.gated_lanes &&
+           (j = kd_sched_gated_head(&d->sched))) {
+        kd_req *r = REQ_OF(j);
+        if (!d->cfg.ready_on_device || !kd_exec_launch_early(r)) {
+            kd_sched_pass_gated(&d->sched, j);
+            continue;
+        }
+        uint64_t formed = uv_hrtime();
+        kp_error e;
+        kd_sched_start_gated(&d->sched, j);
+        kd_run *run = new_run(&j, 1);
+        if (!run) {
+            kp_fail(&e, KP_E_NO_MEMORY, "no memory to form a batch");
+            kd_sched_done(&d->sched, j);
+            kd_job_left(d, j);
+            kd_req_fail(r, &e);
+            continue;
+        }
+        if (kd_exec_prepare(r, &run->batch) != KD_PREPARE_BATCHED) {
+            free_run(run); /* answered */
+            continue;
+        }
+        run->reqs[run->nreqs++] = r;
+        run->batch.t.formed_ns = formed;
+        kd_ready_wait *w = kd_exec_ready_wait(r);
+        if (kd_backend_submit_gated(b, &run->batch, &w->word, &e) != KP_OK) {
+            KD_ERROR("submitting a gated batch failed: %s", e.message);
+            run->batch.status = KD_BATCH_FAILED;
+            run->batch.code = e.code;
+            snprintf(run->batch.message, sizeof(run->batch.message), "%.250s", e.message);
+            kd_exec_finish(r, &run->batch);
+            free_run(run);
+            if (e.code == KP_E_DEVICE_FAILED)
+                fatal(en, e.message);
+            continue;
+        }
+        w->launched = &run->batch;
+        run->next = en->runs;
+        en->runs = run;
+        en->nruns++;
+        en->gated_waiting++;
+        d->stats.batches++;
+    }
 }
 
 static kd_hold_policy hold_policy(const kd_daemon *d)
@@ -148,8 +211,9 @@ static bool awaited(const kd_client *cl, uint64_t now)
     for (const kd_req *r = cl->req_head; r; r = r->next) {
         if (r->method != KP_METHOD_PREFILL)
             continue;
-        if (r->job.state == KD_JOB_QUEUED)
-            return false;
+        const kd_ready_wait *w = kd_exec_ready_wait((kd_req *)r);
+        if (r->job.state == KD_JOB_QUEUED || (w && w->launched && w->set))
+            return false; /* waiting, on the host or behind a device-side wait */
         running |= r->job.state == KD_JOB_RUNNING;
     }
     return running || (cl->last_prefill_ns &&
@@ -242,6 +306,7 @@ void kd_engine_pump(kd_engine *en)
         kd_job *j;
         while ((j = kd_sched_next_host(&d->sched)))
             kd_exec_host(REQ_OF(j));
+        launch_gated(en);
         while (!d->fatal && d->backend->inflight < d->backend->info.depth && !hold_next(en) &&
                form_and_submit(en))
             ;
@@ -263,6 +328,12 @@ static void on_ready_reached(void *ctx, kd_ready_wait *w)
 {
     kd_engine *en = ctx;
     kd_req *r = w->owner;
+    if (w->launched) { /* already on the device: its end is what remains to learn */
+        en->gated_waiting--;
+        en->progress_ns = uv_hrtime();
+        kd_backend_gated_go(en->d->backend, w->launched);
+        return;
+    }
     kd_sched_ungate(&en->d->sched, &r->job);
     kd_engine_pump(en);
 }
@@ -270,8 +341,19 @@ static void on_ready_reached(void *ctx, kd_ready_wait *w)
 static void on_ready_timed_out(void *ctx, kd_ready_wait *w, const kp_error *e)
 {
     kd_engine *en = ctx;
+    if (w->launched) { /* called off on the device; its batch completes as failed */
+        en->gated_waiting--;
+        en->progress_ns = uv_hrtime();
+        kd_backend_gated_cancel(en->d->backend, w->launched, e);
+        return;
+    }
     drop_queued(en, w->owner, e);
     kd_engine_pump(en); /* its slots' FIFOs moved on */
+}
+
+bool kd_engine_progressing(const kd_engine *en, uint64_t interval_ns)
+{
+    return en->nruns == en->gated_waiting || uv_hrtime() - en->progress_ns < interval_ns;
 }
 
 void kd_engine_admit(kd_engine *en, kd_req *r)
@@ -296,9 +378,9 @@ void kd_engine_admit(kd_engine *en, kd_req *r)
             drop_queued(en, r, &e);
             return;
         }
-        if (!reached)
-            return; /* gated: nothing new can run */
-        kd_sched_ungate(&d->sched, &r->job);
+        if (reached)
+            kd_sched_ungate(&d->sched, &r->job);
+        /* else gated: the pump may still launch it behind a device-side wait */
     }
     /* May run the request at once (and free r). */
     kd_engine_pump(en);
@@ -337,6 +419,7 @@ void kd_engine_batch_done(void *ctx, kd_batch *batch)
             break;
         }
     }
+    en->nruns--;
     en->progress_ns = uv_hrtime();
     if (batch->status != KD_BATCH_OK)
         KD_ERROR("batch of %u requests failed (%d): %s", run->nreqs, (int)batch->status,

@@ -17,7 +17,11 @@
  * call kd_engine_pump only when they changed what can run (a client's work
  * dropped, a reload's limits).  A prefill with a ready word stays gated in
  * the scheduler until the word reaches its value (sem.h): then it can run,
- * or after batching.ready_timeout_ms it fails.  It tells its owner about a device failure
+ * or after batching.ready_timeout_ms it fails.  With batching.ready_on_device,
+ * one whose tensors are all in device memory is launched as soon as it heads
+ * its slots' FIFOs, on a backend lane behind a device-side wait for its word
+ * (backend.h, submit_gated); the word's outcome then goes to the backend.  It
+ * tells its owner about a device failure
  * (on_fatal) and, after every pump, that its work may have run out
  * (on_settled: a drain may be over).
  */
@@ -42,6 +46,9 @@ typedef struct kd_engine {
     void (*on_settled)(void *ctx);
     void *ctx;
     kd_run *runs;              /* batches in flight */
+    uint32_t nruns;            /* their number */
+    uint32_t gated_waiting;    /* of those, gated launches whose ready words are not reached
+                                  yet (they make no progress to watch for) */
     kd_hold hold;              /* the next batch, held while the device is busy or gathered */
     kd_ready_set ready;        /* admitted prefills waiting for their ready words */
     uint64_t last_prefill_ns;  /* uv_hrtime() of the last prefill answered, any client */
@@ -60,6 +67,11 @@ void kd_engine_init(kd_engine *e, kd_daemon *d, void (*on_fatal)(void *ctx, cons
 void kd_engine_close(kd_engine *e);
 /* Frees what is left once the loop has stopped. */
 void kd_engine_destroy(kd_engine *e);
+
+/* Whether the work in flight has moved within the last interval_ns (the
+ * watchdog): a batch completed or started lately, or every run in flight is a
+ * gated launch still waiting for its client's word. */
+bool kd_engine_progressing(const kd_engine *e, uint64_t interval_ns);
 
 /* A prefill or slot operation arrived: admitted and queued, or answered. */
 void kd_engine_admit(kd_engine *e, kd_req *r);

@@ -603,6 +603,40 @@ static kd_prepare prepare_prefill(kd_req *r, kd_batch *b)
     return KD_PREPARE_BATCHED;
 }
 
+/* Device memory only (CUDA IPC, a VMM allocation): nothing to stage or copy. */
+static bool on_device_only(kd_buf b)
+{
+    return b.dev && !b.host;
+}
+
+bool kd_exec_launch_early(kd_req *r)
+{
+    kd_daemon *d = daemon_of(r);
+    kd_exec *x = r->exec;
+    if (r->method != KP_METHOD_PREFILL || !x->has_ready || !x->ready.word.buf.dev)
+        return false;
+    const kp_prefill_params *p = &x->prefill.p;
+    bool work = false;
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const kp_prefill_seq *q = &p->seqs[i];
+        uint64_t pos;
+        /* prepare_prefill's run-time checks, without their answers: a request that would fail
+         * them waits for its word and fails then, as on the host path */
+        if ((!q->fresh && kd_pool_check_ready(&d->pool, x->slots[i], NULL, NULL) != KP_OK) ||
+            (q->has_expect_pos && kd_pool_slot(&d->pool, x->slots[i])->pos != q->expect_pos) ||
+            kd_pool_next_pos(&d->pool, x->slots[i], q->fresh, q->len, NULL, &pos, NULL) != KP_OK)
+            return false;
+        if (q->len == 0)
+            continue;
+        for (int t = 0; t < KP_PREFILL_TENSORS; t++) {
+            if (!on_device_only(x->prefill.buf[i][t]))
+                return false;
+        }
+        work = true;
+    }
+    return work;
+}
+
 static void finish_prefill(kd_req *r, const kd_batch *b)
 {
     kd_daemon *d = daemon_of(r);

@@ -37,6 +37,13 @@ int kd_exec_admit(kd_req *r, kp_error *e);
  * gated: kd_sched_ungate once the word is reached), else NULL. */
 kd_ready_wait *kd_exec_ready_wait(kd_req *r);
 
+/* Whether a gated prefill (heading its slots' FIFOs) can be prepared now and
+ * launched behind a device-side wait for its ready word: its tensors are all
+ * in device memory (nothing to stage or copy, so a launch called off leaves
+ * no trace), its ready word has a device address, and its run-time checks
+ * pass already (they cannot change while it heads its FIFOs). */
+bool kd_exec_launch_early(kd_req *r);
+
 typedef enum kd_prepare {
     KD_PREPARE_BATCHED = 0, /* it added work to the batch: finish after the backend */
     KD_PREPARE_DONE,        /* it completed without device work, and was answered */

@@ -116,6 +116,21 @@ static void sub_cost(kd_cost_sum *sum, const kd_job_cost *c)
     sum->stage_out -= c->stage_out;
 }
 
+/* A gated job now heads all its FIFOs (only its gate blocks it). */
+static void add_waiting_head(kd_sched *s, kd_job *j)
+{
+    list_insert_ordered(&s->gated_head, &s->gated_tail, j);
+    j->waiting_head = true;
+}
+
+static void drop_waiting_head(kd_sched *s, kd_job *j)
+{
+    if (!j->waiting_head)
+        return;
+    list_remove(&s->gated_head, &s->gated_tail, j);
+    j->waiting_head = false;
+}
+
 static void make_runnable(kd_sched *s, kd_job *j)
 {
     if (j->host) {
@@ -153,6 +168,7 @@ int kd_sched_push(kd_sched *s, kd_job *j)
     j->order = s->next_order++;
     j->blocked = j->gated;
     j->state = KD_JOB_QUEUED;
+    j->waiting_head = false;
     j->prev = j->next = NULL;
     for (uint32_t i = 0; i < j->nslots; i++) {
         kd_fifo *f = &s->fifo[j->slots[i]];
@@ -173,6 +189,8 @@ int kd_sched_push(kd_sched *s, kd_job *j)
     s->queued++;
     if (j->blocked == 0)
         make_runnable(s, j);
+    else if (j->gated && j->blocked == 1 && !j->host)
+        add_waiting_head(s, j);
     return KP_OK;
 }
 
@@ -196,6 +214,9 @@ static void leave_fifos(kd_sched *s, kd_job *j)
             kd_job *next = f->head->job;
             if (--next->blocked == 0 && next->state == KD_JOB_QUEUED)
                 make_runnable(s, next);
+            else if (next->blocked == 1 && next->gated && !next->host &&
+                     next->state == KD_JOB_QUEUED)
+                add_waiting_head(s, next);
         }
     }
     free(j->nodes);
@@ -208,8 +229,24 @@ void kd_sched_ungate(kd_sched *s, kd_job *j)
     if (!j->gated || j->state != KD_JOB_QUEUED)
         return;
     j->gated = false;
+    drop_waiting_head(s, j);
     if (--j->blocked == 0)
         make_runnable(s, j);
+}
+
+void kd_sched_pass_gated(kd_sched *s, kd_job *j)
+{
+    drop_waiting_head(s, j);
+}
+
+void kd_sched_start_gated(kd_sched *s, kd_job *j)
+{
+    drop_waiting_head(s, j);
+    j->gated = false;
+    j->blocked = 0;
+    j->state = KD_JOB_RUNNING;
+    s->queued--;
+    s->running++;
 }
 
 void kd_sched_done(kd_sched *s, kd_job *j)
@@ -220,6 +257,7 @@ void kd_sched_done(kd_sched *s, kd_job *j)
 
 void kd_sched_cancel(kd_sched *s, kd_job *j)
 {
+    drop_waiting_head(s, j);
     if (j->blocked == 0)
         take_runnable(s, j);
     s->queued--;

@@ -84,7 +84,8 @@ struct kd_job {
     uint32_t blocked;      /* FIFOs this job does not head yet, +1 while gated */
     uint64_t order;        /* arrival order */
     kd_job_state state;
-    kd_job *prev, *next;   /* in the group's runnable list or the host list */
+    bool waiting_head;     /* in the scheduler's list of gated jobs heading their FIFOs */
+    kd_job *prev, *next;   /* in the group's runnable list, the host list, or that list */
 };
 
 typedef struct kd_fifo {
@@ -97,6 +98,8 @@ typedef struct kd_sched {
     uint32_t nslots;
     kd_sched_group *ring;   /* the group that picks first in the next batch */
     kd_job *host_head, *host_tail;
+    kd_job *gated_head, *gated_tail; /* gated QUEUED jobs that head all their FIFOs, in
+                                        arrival order (their slots are theirs alone) */
     uint64_t next_order;
     uint32_t queued;        /* jobs in KD_JOB_QUEUED */
     uint32_t running;       /* jobs in KD_JOB_RUNNING */
@@ -121,6 +124,17 @@ size_t kd_sched_form(kd_sched *s, const kd_sched_limits *lim, kd_job **out, size
 
 /* Lets a gated QUEUED job run once it heads its FIFOs. */
 void kd_sched_ungate(kd_sched *s, kd_job *job);
+
+/* The oldest gated QUEUED job that heads all its FIFOs (nothing ahead of it on
+ * its slots), or NULL: one that may be launched before its gate lifts. */
+static inline kd_job *kd_sched_gated_head(const kd_sched *s)
+{
+    return s->gated_head;
+}
+/* Takes it off that list and leaves it gated (it waits on the host). */
+void kd_sched_pass_gated(kd_sched *s, kd_job *job);
+/* Hands it out (now RUNNING, its gate lifted): launched ahead of its gate. */
+void kd_sched_start_gated(kd_sched *s, kd_job *job);
 
 /* A RUNNING job finished (successfully or not): it leaves its FIFOs. */
 void kd_sched_done(kd_sched *s, kd_job *job);

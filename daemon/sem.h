@@ -4,9 +4,10 @@
  * scheduler until a word in the client's memory reaches a value.
  *
  * The loop polls the words itself, so an unready request holds back nothing
- * but the slots it names: it never enters a batch, and no device stream
- * waits for it (a device-side wait would stall every batch queued behind it
- * on the batch stream).  Reading a host word is one load; the set checks
+ * but the slots it names: it never enters a batch's streams (a device-side
+ * wait there would stall every batch queued behind it); the engine may queue
+ * it on a lane of its own behind one (engine.h), and the set still tells when
+ * the word came, or that it did not in time.  Reading a host word is one load; the set checks
  * every word on each turn of the loop (a uv_check handle), keeps the loop
  * awake (a uv_idle handle) for `spin_us` after a wait began or a word was
  * reached (a stream that is moving writes its next word soon: a layer loop
@@ -33,6 +34,8 @@ typedef struct kd_ready_wait {
     kd_sem_word word;
     uint64_t since_ns;       /* uv_hrtime() when it began to wait */
     void *owner;             /* the request */
+    kd_batch *launched;      /* its batch, already queued behind a device-side wait for the
+                                word (engine.h), or NULL */
     kd_ready_set *set;       /* NULL when not waiting */
     struct kd_ready_wait *prev, *next;
 } kd_ready_wait;

@@ -120,6 +120,17 @@ void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split);
    elems, or more than was allocated, restores the whole scratch. */
 void kda_cuda_set_split_outputs(kda_cuda *cuda, int64_t elems);
 
+/*
+ * Enqueues on `stream` a one-thread kernel that, when it runs, reads a
+ * destination address from *dst (device memory) and, unless it is NULL,
+ * stores the 8-byte word *src (device memory) there (device memory, or mapped
+ * host memory), one aligned 64-bit store after a system-wide fence.  Both are
+ * read when the kernel runs, so a launch captured in a CUDA Graph stores a
+ * semaphore word chosen per replay, with a value that may still change until
+ * then (kdad's done words of launches it may call off).  All 8-byte aligned.
+ */
+int kda_cuda_store_word(uint64_t *const *dst, const uint64_t *src, void *stream, kda_error *err);
+
 #ifdef __cplusplus
 }
 #endif

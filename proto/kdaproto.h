@@ -979,7 +979,9 @@ typedef struct kp_sem {
 } kp_sem;
 
 #define KP_SEM_ALIGN 8u
-#define KP_SEM_FAILED (1ull << 63)             /* set in a done word: the request failed */
+/* Bit 62, not 63: cuStreamWaitValue64's GEQ is a cyclic comparison, (int64_t)(word - value) >= 0,
+ * so value | 2^63 would compare as below value and never release a stream's wait. */
+#define KP_SEM_FAILED (1ull << 62)             /* set in a done word: the request failed */
 #define KP_SEM_VALUE_MAX (KP_SEM_FAILED - 1)  /* values leave the failure bit clear */
 /* Feature announced in hello when prefill takes "ready" and "done". */
 #define KP_FEATURE_PREFILL_SEMAPHORES "prefill.semaphores"

@@ -83,7 +83,7 @@ int kp_prefill_params_encode(kp_writer *w, uint32_t id, const kp_prefill_params 
         if (m->present && (m->region == 0 || m->offset % KP_SEM_ALIGN || m->value == 0 ||
                            m->value > KP_SEM_VALUE_MAX))
             return kp_fail(err, KP_E_INVALID_PARAMS, "%s: needs a region >= 1, an offset that "
-                           "is a multiple of %u and a value in [1, 2^63 - 1]",
+                           "is a multiple of %u and a value in [1, 2^62 - 1]",
                            i ? "done" : "ready", KP_SEM_ALIGN);
     }
 
@@ -312,7 +312,7 @@ static int check_out_overlaps(kp_msg *msg, const kp_prefill_params *p, kp_error 
     return KP_OK;
 }
 
-/* A semaphore field: {"region" >= 1, "offset" a multiple of 8, "value" in [1, 2^63 - 1]}. */
+/* A semaphore field: {"region" >= 1, "offset" a multiple of 8, "value" in [1, 2^62 - 1]}. */
 static int decode_sem(kp_msg *msg, const dec_fields *pf, const char *name, kp_sem *m,
                       kp_error *err)
 {

@@ -76,6 +76,7 @@ static void test_builtin_default(void **unused)
     assert_int_equal(c.gather_wave_percent, KD_DEFAULT_GATHER_WAVE_PERCENT);
     assert_int_equal(c.ready_spin_us, KD_DEFAULT_READY_SPIN_US);
     assert_int_equal(c.ready_timeout_ms, KD_DEFAULT_READY_TIMEOUT_MS);
+    assert_false(c.ready_on_device);
     assert_int_equal(c.max_connections, KD_DEFAULT_MAX_CONNECTIONS);
     assert_int_equal(c.max_connections_per_uid, KD_DEFAULT_MAX_CONNECTIONS_PER_UID);
     assert_int_equal(c.max_inflight_bytes_per_uid, KD_DEFAULT_MAX_INFLIGHT_BYTES_PER_UID);
@@ -109,7 +110,7 @@ static void test_builtin_default(void **unused)
         "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
         "max_inflight_bytes:", "max_layers:", "batching:", "graph_buckets:",
         "max_queued_requests:", "spin_us:", "hold_while_busy:", "hold_fill_percent:",
-        "hold_max_us:", "clients:", "max_connections:", "max_connections_per_uid:",
+        "hold_max_us:", "ready_on_device:", "clients:", "max_connections:", "max_connections_per_uid:",
         "max_inflight_bytes_per_uid:", "max_inflight_bytes_total:", "output_hard_limit:",
         "output_soft_limit:", "output_soft_seconds:", "max_output_bytes_per_uid:",
         "max_output_bytes_total:", "max_region_bytes_per_connection:", "max_region_bytes_per_uid:",

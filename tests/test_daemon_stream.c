@@ -38,7 +38,8 @@
 
 #define READY_TIMEOUT_MS 1500
 static const char yaml[] = "heads: 4\nslots: 64\ncpu_threads: 2\nlog:\n  level: debug\n"
-                           "batching:\n  ready_timeout_ms: 1500\n  ready_spin_us: 2000\n";
+                           "batching:\n  ready_timeout_ms: 1500\n  ready_spin_us: 2000\n"
+                           "  ready_on_device: true\n";
 
 #define LEN 64
 #define SHM_BYTES (2u << 20)
@@ -573,6 +574,30 @@ static void test_library_writes_failure_when_kdad_dies(void **state)
 
 typedef CUresult (*wait64_fn)(CUstream s, CUdeviceptr addr, cuuint64_t value, unsigned flags);
 
+/* Waits for a CUDA stream (driving the client meanwhile) at most ms; false on timeout.  The
+ * stream waits on words other processes write: a bounded wait says which step never came. */
+static bool stream_finishes(kdac_client *c, cudaStream_t st, int ms)
+{
+    uint64_t end = now_ns() + (uint64_t)ms * 1000000u;
+    cudaError_t e;
+    while ((e = cudaStreamQuery(st)) == cudaErrorNotReady && now_ns() < end) {
+        kdac_client_progress(c);
+        usleep(100);
+    }
+    if (e != cudaSuccess && e != cudaErrorNotReady)
+        fail_msg("the stream failed: %s", cudaGetErrorString(e));
+    return e == cudaSuccess;
+}
+
+static wait64_fn stream_wait64(void)
+{
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult found;
+    CUDA_OK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault,
+                                             &found));
+    return (wait64_fn)fn;
+}
+
 /* The client's stream produces the inputs (a copy into the region), runs
  * the prefill through kdad, and consumes the output (a copy out), all
  * enqueued while a gate at the stream's head holds it: the host enqueues
@@ -588,11 +613,7 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     uint64_t dev;
     assert_int_equal(kdac_shm_map_device(&f.shm, &dev, &err), KDAC_OK);
-    void *fn = NULL;
-    enum cudaDriverEntryPointQueryResult found;
-    CUDA_OK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &fn, 12000, cudaEnableDefault,
-                                             &found));
-    wait64_fn wait64 = (wait64_fn)fn;
+    wait64_fn wait64 = stream_wait64();
 
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
@@ -636,8 +657,12 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     assert_int_equal(cudaStreamQuery(st), cudaErrorNotReady);
     assert_int_equal(*word(&f, 0), 0);
     __atomic_store_n(word(&f, 4), 1, __ATOMIC_RELEASE); /* open the gate */
-    assert_true(wait_answer(f.c, &a, 10000));
-    CUDA_OK(cudaStreamSynchronize(st));
+    if (!wait_answer(f.c, &a, 10000))
+        fail_msg("no answer after the gate opened (ready word %llu, done word %llu)",
+                 (unsigned long long)*word(&f, 0), (unsigned long long)*word(&f, 1));
+    if (!stream_finishes(f.c, st, 10000))
+        fail_msg("answered (status %d), but the stream did not finish (done word %llu)",
+                 a.status, (unsigned long long)*word(&f, 1));
     assert_int_equal(a.status, KDAC_OK);
     assert_int_equal(kdac_sem_check(&done), 1);
     assert_memory_equal(got, ref, DH_TOKEN_BYTES(LEN));
@@ -649,7 +674,9 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     assert_int_equal(kdac_prefill_on_stream(f.c, st, "nope", &rq, 1, &ready, &done2, on_answer,
                                             &b, &err), KDAC_OK);
     assert_true(wait_answer(f.c, &b, 10000));
-    CUDA_OK(cudaStreamSynchronize(st));
+    if (!stream_finishes(f.c, st, 10000))
+        fail_msg("a failed request left the stream waiting (done word %llx)",
+                 (unsigned long long)*word(&f, 2));
     assert_int_equal(b.status, KDAC_E_UNKNOWN_LAYER);
     assert_int_equal(kdac_sem_check(&done2), -1);
 
@@ -661,6 +688,136 @@ static void test_stream_form_on_a_cuda_stream(void **state)
     kdac_shm_unmap_device(&f.shm);
     free(staged);
     cudaFreeHost(got);
+    free(ref);
+    dh_seq_free(&s);
+    teardown(&f);
+}
+
+/* Tensors in device memory (a CUDA IPC region), words in shared memory: kdad
+ * queues the request on the device behind a wait for its ready word
+ * (batching.ready_on_device, on in this suite).  On a CUDA stream behind a gate, nothing runs
+ * before the gate opens, then the output equals the synchronised call's.  A
+ * ready word never written ends in READY_TIMEOUT after the bound, while
+ * another client's prefills run; kdad has stored the ready value itself to
+ * release its own wait, the done word holds the failure value, the output
+ * region is untouched and the slot's state too (its next chunk equals that
+ * of a fresh slot). */
+static void test_device_tensors_wait_on_the_device(void **state)
+{
+    fixture f;
+    setup(&f);
+    kdac_error err;
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    uint64_t dev;
+    assert_int_equal(kdac_shm_map_device(&f.shm, &dev, &err), KDAC_OK);
+    wait64_fn wait64 = stream_wait64();
+    dh_seq s;
+    dh_seq_make(&s, &f.rng, LEN);
+    uint64_t sync_slot = alloc(f.c), slot = alloc(f.c), late_slot = alloc(f.c);
+    uint16_t *ref = malloc(DH_TOKEN_BYTES(LEN)), *out2 = malloc(DH_TOKEN_BYTES(LEN)), *got;
+    CUDA_OK(cudaMallocHost((void **)&got, DH_TOKEN_BYTES(LEN)));
+    kdac_seq iq = inline_seq(sync_slot, &s, ref);
+    assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, NULL, &err), KDAC_OK);
+
+    /* the region: the layout's blocks from offset 0, in a 2 MiB allocation */
+    layout l = layout_at(0);
+    uint64_t in_bytes = l.out, region_bytes = 2u << 20;
+    uint8_t *staged = calloc(1, in_bytes), *buf, *src;
+    memcpy(staged + l.q, s.q, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.k, s.k, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.v, s.v, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.g, s.g, DH_TOKEN_BYTES(LEN));
+    memcpy(staged + l.beta, s.beta, DH_BETA_BYTES(LEN));
+    CUDA_OK(cudaMalloc((void **)&buf, region_bytes));
+    CUDA_OK(cudaMalloc((void **)&src, in_bytes));
+    CUDA_OK(cudaMemcpy(src, staged, in_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(buf, 0, region_bytes));
+    cudaIpcMemHandle_t h;
+    CUDA_OK(cudaIpcGetMemHandle(&h, buf));
+    uint32_t region;
+    assert_int_equal(kdac_region_register_cuda(f.c, &h, region_bytes, NULL, &region, &err),
+                     KDAC_OK);
+    kdac_seq rq;
+    memset(&rq, 0, sizeof(rq));
+    rq.slot = slot;
+    rq.len = LEN;
+    rq.q = kdac_tensor_region(region, l.q);
+    rq.k = kdac_tensor_region(region, l.k);
+    rq.v = kdac_tensor_region(region, l.v);
+    rq.g = kdac_tensor_region(region, l.g);
+    rq.beta = kdac_tensor_region(region, l.beta);
+    rq.out = kdac_output_region(region, l.out);
+
+    /* gate (word 4) -> producer -> ready (word 0) / wait done (word 1) -> consumer */
+    assert_int_equal(wait64((CUstream)st, (CUdeviceptr)(dev + 32), 1, CU_STREAM_WAIT_VALUE_GEQ),
+                     CUDA_SUCCESS);
+    CUDA_OK(cudaMemcpyAsync(buf, src, in_bytes, cudaMemcpyDeviceToDevice, st));
+    kdac_sem ready = {f.region, 0, 1, word(&f, 0), dev};
+    kdac_sem done = {f.region, 8, 1, word(&f, 1), dev + 8};
+    answer a = {0};
+    assert_int_equal(kdac_prefill_on_stream(f.c, st, "L", &rq, 1, &ready, &done, on_answer, &a,
+                                            &err), KDAC_OK);
+    CUDA_OK(cudaMemcpyAsync(got, buf + l.out, DH_TOKEN_BYTES(LEN), cudaMemcpyDeviceToHost, st));
+    assert_false(wait_answer(f.c, &a, 200));
+    assert_int_equal(cudaStreamQuery(st), cudaErrorNotReady);
+    assert_int_equal(*word(&f, 1), 0);
+    print_message("enqueued behind the gate; opening it\n");
+    __atomic_store_n(word(&f, 4), 1, __ATOMIC_RELEASE); /* open the gate */
+    if (!stream_finishes(f.c, st, 10000))
+        fail_msg("the stream did not finish (ready word %llu, done word %llu)",
+                 (unsigned long long)*word(&f, 0), (unsigned long long)*word(&f, 1));
+    assert_true(wait_answer(f.c, &a, 10000));
+    assert_int_equal(a.status, KDAC_OK);
+    assert_int_equal(kdac_sem_check(&done), 1);
+    assert_memory_equal(got, ref, DH_TOKEN_BYTES(LEN));
+
+    /* A ready word nobody writes (word 3); the output block holds a pattern meanwhile. */
+    CUDA_OK(cudaMemset(buf + l.out, 0xab, DH_TOKEN_BYTES(LEN)));
+    rq.slot = late_slot;
+    kdac_sem late_ready = sem(&f, 3, 1, false), late_done = sem(&f, 5, 9, false);
+    answer b = {0};
+    uint64_t sent = now_ns();
+    assert_int_equal(kdac_prefill_send_sems(f.c, "L", &rq, 1, &late_ready, &late_done, on_answer,
+                                            &b, &err), KDAC_OK);
+    assert_false(wait_answer(f.c, &b, 50));
+    print_message("a request waits for a word nobody writes\n");
+    kdac_client *other = open_client(&f.d, &f.layer);
+    uint64_t oslot = alloc(other);
+    iq.slot = oslot;
+    iq.out = kdac_output_inline(out2);
+    for (int i = 0; i < 5; i++) {
+        uint64_t t0 = now_ns();
+        assert_int_equal(kdac_prefill(other, "L", &iq, 1, NULL, &err), KDAC_OK);
+        assert_true(now_ns() - t0 < 1000000000ull);
+    }
+    assert_false(b.done);
+    assert_true(wait_answer(f.c, &b, READY_TIMEOUT_MS + 5000));
+    assert_int_equal(b.status, KDAC_E_READY_TIMEOUT);
+    assert_true((now_ns() - sent) / 1000000u >= READY_TIMEOUT_MS - 10);
+    assert_int_equal(__atomic_load_n(word(&f, 5), __ATOMIC_ACQUIRE), 9 | KDAC_SEM_FAILED);
+    uint64_t r3 = __atomic_load_n(word(&f, 3), __ATOMIC_ACQUIRE);
+    assert_int_equal(r3, 1); /* kdad released its own device-side wait */
+    CUDA_OK(cudaMemcpy(got, buf + l.out, DH_TOKEN_BYTES(LEN), cudaMemcpyDeviceToHost));
+    for (uint64_t i = 0; i < DH_TOKEN_BYTES(LEN) / 2; i++)
+        assert_int_equal(got[i], 0xabab);
+    iq.slot = late_slot; /* untouched: like a fresh slot */
+    assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, NULL, &err), KDAC_OK);
+    assert_memory_equal(out2, ref, DH_TOKEN_BYTES(LEN));
+    print_message("device-side wait: READY_TIMEOUT after %llu ms, ready word left at %llu\n",
+                  (unsigned long long)((b.at_ns - sent) / 1000000u), (unsigned long long)r3);
+
+    kdac_client_close(other);
+    kdac_region_release(f.c, region, &err);
+    CUDA_OK(cudaStreamDestroy(st));
+    kdac_client_close(f.c);
+    f.c = NULL;
+    kdac_shm_unmap_device(&f.shm);
+    CUDA_OK(cudaFree(buf));
+    CUDA_OK(cudaFree(src));
+    cudaFreeHost(got);
+    free(staged);
+    free(out2);
     free(ref);
     dh_seq_free(&s);
     teardown(&f);
@@ -681,6 +838,7 @@ int main(void)
         cmocka_unit_test_teardown(test_library_writes_failure_when_kdad_dies, dh_teardown),
 #ifdef DH_BACKEND_IS_CUDA
         cmocka_unit_test_teardown(test_stream_form_on_a_cuda_stream, dh_teardown),
+        cmocka_unit_test_teardown(test_device_tensors_wait_on_the_device, dh_teardown),
 #endif
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

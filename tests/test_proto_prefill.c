@@ -851,7 +851,7 @@ static void test_prefill_semaphores(void **state)
     struct {
         const char *key;
         int form; /* 0: a number, 1: {region, offset} without value, 2: offset 12, 3: region 0,
-                     4: value 2^63, 5: an unknown field */
+                     4: value 2^62, 5: an unknown field */
         const char *message;
     } cases[] = {
         {"ready", 0, "ready: expected a map"},

@@ -1,7 +1,7 @@
 /*
  * test_sched.c - daemon/scheduler.c: batch formation, per-slot arrival order,
  * fairness across connections, batch limits, host jobs and cancellation,
- * the runnable totals, gated jobs.
+ * the runnable totals, gated jobs and the list of those heading their FIFOs.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -330,6 +330,53 @@ static void test_gated_jobs(void **state)
     kd_sched_done(&f->s, after);
 }
 
+/* The gated jobs that head their FIFOs, oldest first, are listed for a launch
+ * ahead of their gates: one behind a running job on its slot joins the list
+ * when that job is done; ungating, passing or cancelling takes it off; started
+ * ahead of its gate it runs, and holds back the jobs behind it on its slot
+ * until it is done. */
+static void test_gated_heads(void **state)
+{
+    fixture *f = *state;
+    static uint32_t s1 = 1, s2 = 2, s3 = 3;
+    kd_job *running = push(f, 1, 1, -1, 10, false);
+    kd_job *first[] = {running};
+    form_expect(f, &roomy, first, 1);
+    kd_job *g1 = &f->job[f->njobs++], *g2 = &f->job[f->njobs++], *g3 = &f->job[f->njobs++];
+    *g1 = (kd_job){.group = &f->group[0], .slots = &s1, .nslots = 1, .cost = {10, 1, 0, 0},
+                   .gated = true};
+    *g2 = (kd_job){.group = &f->group[0], .slots = &s2, .nslots = 1, .cost = {10, 1, 0, 0},
+                   .gated = true};
+    *g3 = (kd_job){.group = &f->group[2], .slots = &s3, .nslots = 1, .cost = {10, 1, 0, 0},
+                   .gated = true};
+    assert_int_equal(kd_sched_push(&f->s, g1), 0); /* behind `running` on slot 1 */
+    assert_int_equal(kd_sched_push(&f->s, g2), 0);
+    assert_int_equal(kd_sched_push(&f->s, g3), 0);
+    kd_job *behind = push(f, 0, 2, -1, 10, false); /* behind g2 on slot 2 */
+    assert_ptr_equal(kd_sched_gated_head(&f->s), g2);
+    kd_sched_done(&f->s, running);
+    assert_ptr_equal(kd_sched_gated_head(&f->s), g1); /* older than g2 */
+    kd_sched_pass_gated(&f->s, g1);                   /* it waits on the host */
+    assert_ptr_equal(kd_sched_gated_head(&f->s), g2);
+    kd_sched_start_gated(&f->s, g2);
+    assert_int_equal(g2->state, KD_JOB_RUNNING);
+    assert_ptr_equal(kd_sched_gated_head(&f->s), g3);
+    assert_int_equal(kd_sched_form(&f->s, &roomy, (kd_job *[MAXJOBS]){0}, MAXJOBS), 0);
+    kd_sched_ungate(&f->s, g3);
+    assert_null(kd_sched_gated_head(&f->s));
+    kd_job *ungated[] = {g3};
+    form_expect(f, &roomy, ungated, 1);
+    kd_sched_done(&f->s, g3);
+    kd_sched_done(&f->s, g2);
+    kd_job *next[] = {behind};
+    form_expect(f, &roomy, next, 1);
+    kd_sched_done(&f->s, behind);
+    kd_sched_ungate(&f->s, g1); /* passed, still gated: its gate lifts as before */
+    kd_job *last[] = {g1};
+    form_expect(f, &roomy, last, 1);
+    kd_sched_done(&f->s, g1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -342,6 +389,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_host_jobs_and_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_runnable_totals, setup, teardown),
         cmocka_unit_test_setup_teardown(test_gated_jobs, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_gated_heads, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

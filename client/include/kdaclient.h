@@ -548,7 +548,9 @@ typedef struct kdac_sem {
     uint64_t dev;
 } kdac_sem;
 
-#define KDAC_SEM_FAILED (1ull << 63)           /* set in a done word: the request failed */
+/* Bit 62: a stream's cuStreamWaitValue64 GEQ compares cyclically ((int64_t)(word - value) >= 0),
+ * so value | KDAC_SEM_FAILED releases it, where value | 2^63 would not. */
+#define KDAC_SEM_FAILED (1ull << 62)           /* set in a done word: the request failed */
 #define KDAC_SEM_VALUE_MAX (KDAC_SEM_FAILED - 1)
 #define KDAC_FEATURE_SEMAPHORES "prefill.semaphores" /* in kdac_server_info.features */
 

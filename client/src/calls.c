@@ -226,7 +226,7 @@ static int check_sem(const kdac_sem *m, const char *name, kdac_error *err)
     if (m->region == 0 || m->offset % KP_SEM_ALIGN || m->value == 0 ||
         m->value > KDAC_SEM_VALUE_MAX)
         return kdac_fail(err, KDAC_E_INVALID_PARAMS, "%s: needs a region >= 1, an offset that "
-                         "is a multiple of %u and a value in [1, 2^63 - 1]", name, KP_SEM_ALIGN);
+                         "is a multiple of %u and a value in [1, 2^62 - 1]", name, KP_SEM_ALIGN);
     return KDAC_OK;
 }
 

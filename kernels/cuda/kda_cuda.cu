@@ -115,6 +115,27 @@ extern "C" void kda_cuda_set_split_outputs(kda_cuda *cuda, int64_t elems)
     cuda->split_output_elems = elems < 0 || elems > KDA_SPLIT_OUTPUT_ELEMS ? KDA_SPLIT_OUTPUT_ELEMS : elems;
 }
 
+__global__ void store_word_kernel(unsigned long long *const *dst, const unsigned long long *src)
+{
+    unsigned long long *to = *(unsigned long long *const volatile *)dst;
+    if (!to)
+        return;
+    __threadfence_system();
+    const unsigned long long v = *(volatile const unsigned long long *)src;
+    *(volatile unsigned long long *)to = v;
+    __threadfence_system();
+}
+
+extern "C" int kda_cuda_store_word(uint64_t *const *dst, const uint64_t *src, void *stream, kda_error *err)
+{
+    if (!dst || !src || ((uintptr_t)dst | (uintptr_t)src) % 8)
+        return kda_fail(err, KDA_EINVAL, "kda_cuda_store_word: NULL or unaligned word");
+    store_word_kernel<<<1, 1, 0, (cudaStream_t)stream>>>((unsigned long long *const *)dst,
+                                                          (const unsigned long long *)src);
+    cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? KDA_OK : cuda_fail(err, e, "kda_cuda_store_word");
+}
+
 extern "C" int kda_cuda_batch_check(const kda_pool *pool, const kda_seq *seqs, int64_t nseqs, kda_error *err)
 {
     int rc = kda_batch_check(pool, seqs, nseqs, err);

@@ -16,7 +16,8 @@
 #   interleaved, on the six standard workloads; `vtests` runs every variant's
 #   .device/bin/test_cuda_kernel_*.  `stream` runs the stream-ordered prefills' GPU suite
 #   (test_daemon_stream_cuda) and bench_layers (the 20-layer loop: in process, kdad synchronised,
-#   kdad stream-ordered; h200-layers.json).
+#   kdad stream-ordered with and without the device-side wait, a bare second process as the
+#   floor; h200-layers.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/kdad-gpu}
@@ -108,7 +109,7 @@ for step in $steps; do
     vtests)   grep -E '^== |^-- |FAILED|PASSED|clusters' "$out/vtests.log" | head -40 ;;
     multi)    grep -E 'GPU\(s\)|PASSED|FAILED|ERROR|^aggregate' "$out/multi.log" | tail -12 ;;
     stream)   grep -E 'PASSED|FAILED|SKIP|median|done word|READY_TIMEOUT|tests? run' "$out/stream.log" | tail -12
-              tail -16 "$out/layers.log" ;;
+              tail -24 "$out/layers.log" ;;
   esac
   echo "== $step: exit ${status[$step]}"
 done
