@@ -73,8 +73,12 @@
  * are staged as a prefill's, region tensors used in place (shared memory
  * through its device alias).  The step kernel reads its descriptors from
  * device memory when it runs, so it is graph-safe; it is launched directly
- * (a step is one or two driver calls).  A batch of steps alone with nothing
- * to copy out is watched through its done word, written after its end event.
+ * (a step is one or two driver calls).  A batch of steps alone (no prefill
+ * graph to run beside) stays on `stream`: no fork, no join.  With nothing to
+ * copy out it is watched through its done word, written after its last
+ * event; with nothing to copy at all and no slot operations it is, like a
+ * graph-only batch, [step table copy, k0_ev, step kernels, k1_ev, done word]:
+ * five driver calls.
  *
  * Gated prefills (a ready word not written yet) whose tensors are all device
  * memory may be queued before their words come, each on a lane of its own
@@ -656,35 +660,43 @@ static void wait_for(cuda_backend *cb, cuda_buf *bf)
         uv_idle_start(&cb->spin, on_spin);
 }
 
-/* The steps of a batch on the steps stream, after everything before them on
- * `stream` (copies in, slot operations); the kernel's timing brackets them
- * when the batch has no prefill graph (which records its own). */
+/* The steps of a batch.  Beside a prefill graph they run on the steps stream,
+ * forked from `stream` after everything before them there (copies in, slot
+ * operations) and joined back by the caller.  Without one (steps alone, the
+ * decode loop's batches) they run on `stream` itself: the fork and join are
+ * four driver calls and two cross-stream waits on the device for nothing to
+ * overlap; the kernel's timing events then bracket them (a prefill graph
+ * records its own). */
 static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, const char **what)
 {
     const kd_batch *b = bf->batch;
-    const bool timed = b->nseqs == 0;
+    const bool alone = b->nseqs == 0;
+    cudaStream_t s_steps = alone ? cb->stream : cb->steps;
+    cudaError_t e = cudaSuccess;
     *what = "launching the steps";
-    cudaError_t e = cudaEventRecord(bf->fork_ev, cb->stream);
-    if (e == cudaSuccess)
-        e = cudaStreamWaitEvent(cb->steps, bf->fork_ev, 0);
+    if (!alone) {
+        e = cudaEventRecord(bf->fork_ev, cb->stream);
+        if (e == cudaSuccess)
+            e = cudaStreamWaitEvent(cb->steps, bf->fork_ev, 0);
+    }
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(bf->steps_dev, bf->steps_host, bf->steps_bytes,
-                            cudaMemcpyHostToDevice, cb->steps);
-    if (e == cudaSuccess && timed)
-        e = cudaEventRecord(bf->k0_ev, cb->steps);
+                            cudaMemcpyHostToDevice, s_steps);
+    if (e == cudaSuccess && alone)
+        e = cudaEventRecord(bf->k0_ev, s_steps);
     const kda_step *steps = (const kda_step *)bf->steps_dev;
     for (uint32_t s = 0; e == cudaSuccess && s < b->nsteps; s++) {
         kda_error kerr;
-        if (kda_cuda_step(cb->k, &cb->base.pool, steps + s, (int32_t)b->steps[s].nseqs, cb->steps,
+        if (kda_cuda_step(cb->k, &cb->base.pool, steps + s, (int32_t)b->steps[s].nseqs, s_steps,
                           &kerr) != KDA_OK) {
             e = cudaGetLastError();
             if (e == cudaSuccess)
                 e = cudaErrorLaunchFailure;
         }
     }
-    if (e == cudaSuccess && timed)
-        e = cudaEventRecord(bf->k1_ev, cb->steps);
-    if (e == cudaSuccess)
+    if (e == cudaSuccess && alone)
+        e = cudaEventRecord(bf->k1_ev, s_steps);
+    if (e == cudaSuccess && !alone)
         e = cudaEventRecord(bf->join_ev, cb->steps);
     return e;
 }
@@ -698,10 +710,14 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
     bool copy_in = bf->in_pinned || bf->shm_in.n;
     bool copy_out = bf->out_pinned || bf->shm_out.n;
     bool graph_only = !copy_in && !copy_out && b->nops == 0 && b->nseqs > 0 && b->nsteps == 0;
-    /* steps alone, nothing to copy out: the done word follows the end event */
+    /* steps alone, nothing to copy out: the done word follows their last event */
     bool steps_only = b->nsteps > 0 && b->nseqs == 0 && !copy_out;
-    bf->first_ev = graph_only ? bf->k0_ev : bf->begin_ev;
-    bf->last_ev = graph_only ? bf->k1_ev : bf->end_ev;
+    /* the step kernels alone (no copies, no slot operations): their timing events are the
+     * batch's bracket, as a graph's are, and no other event is recorded */
+    bool steps_bare = steps_only && !copy_in && b->nops == 0;
+    bool kernel_only = graph_only || steps_bare;
+    bf->first_ev = kernel_only ? bf->k0_ev : bf->begin_ev;
+    bf->last_ev = kernel_only ? bf->k1_ev : bf->end_ev;
     bf->watch_done = (graph_only || steps_only) && bf->done_host != NULL;
     if (bf->watch_done)
         __atomic_store_n(bf->done_host, 0, __ATOMIC_RELAXED); /* the launch call orders it */
@@ -719,7 +735,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
             e = cudaEventRecord(bf->in_ev, cb->h2d);
         if (e == cudaSuccess)
             e = cudaStreamWaitEvent(cb->stream, bf->in_ev, 0);
-    } else if (!graph_only) {
+    } else if (!kernel_only) {
         e = cudaEventRecord(bf->begin_ev, cb->stream);
     }
     for (uint32_t i = 0; e == cudaSuccess && i < b->nops; i++) {
@@ -732,7 +748,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         *what = "replaying the prefill graph"; /* it records k0_ev and k1_ev itself */
         e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
     }
-    if (e == cudaSuccess && b->nsteps > 0) {
+    if (e == cudaSuccess && b->nsteps > 0 && b->nseqs > 0) {
         *what = "joining the steps";
         e = cudaStreamWaitEvent(cb->stream, bf->join_ev, 0);
     }
@@ -761,7 +777,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         if (r != CUDA_SUCCESS)
             e = cudaErrorUnknown;
     }
-    if (e == cudaSuccess && !graph_only) {
+    if (e == cudaSuccess && !kernel_only) {
         *what = "recording the completion event";
         e = cudaEventRecord(bf->end_ev, copy_out ? cb->d2h : cb->stream);
     }

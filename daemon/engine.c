@@ -35,7 +35,8 @@ static void free_run(kd_run *run)
 
 /* A run sized for the jobs just formed: every sequence of every job, at
  * most two operations per job (a lazy ZERO before a READ), a done word per job, and at most
- * one decode step per job. */
+ * one decode step per job.  The sequences are not zeroed: each one a job adds is written whole
+ * (a 256-sequence decode step, which adds none, would clear 32 KiB for nothing). */
 static kd_run *new_run(kd_job **jobs, size_t n)
 {
     size_t seqs = 0;
@@ -44,7 +45,7 @@ static kd_run *new_run(kd_job **jobs, size_t n)
     kd_run *run = calloc(1, sizeof(*run));
     if (!run)
         return NULL;
-    run->batch.seqs = calloc(seqs ? seqs : 1, sizeof(*run->batch.seqs));
+    run->batch.seqs = malloc((seqs ? seqs : 1) * sizeof(*run->batch.seqs));
     run->batch.ops = calloc(2 * n, sizeof(*run->batch.ops));
     run->batch.dones = calloc(n, sizeof(*run->batch.dones));
     run->batch.steps = calloc(n, sizeof(*run->batch.steps));

@@ -5,9 +5,8 @@
  * The per-sequence lists travel as bins (handles and positions u64
  * little-endian, lengths one byte each), so a request is a fixed handful of
  * msgpack objects whatever its size: decoding costs the same few map lookups
- * plus one pass over the lengths and a sort of the handles (distinct slots).
+ * plus one pass over the lengths and one over the handles (distinct slots).
  */
-#include <stdlib.h>
 #include <string.h>
 
 #include "codec.h"
@@ -103,37 +102,35 @@ int kp_step_params_encode(kp_writer *w, uint32_t id, const kp_step_params *p, kp
     return enc_finish(w, err);
 }
 
-static int u64_cmp(const void *a, const void *b)
-{
-    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* The kernel updates each slot in place, once per step: a slot named twice would race. */
+/*
+ * The kernel updates each slot in place, once per step: a slot named twice
+ * would race.  An open-addressing set of the entries' indices (+1; 0 is
+ * empty) at most half full: a hash and a probe or two per slot, where a sort
+ * of 256 handles cost ~2,000 comparisons through a callback.
+ */
 static int check_distinct_slots(kp_msg *msg, const kp_step_params *p, kp_error *err)
 {
-    uint64_t *v = dec_alloc(msg, p->nseqs, sizeof(*v), err);
-    if (!v)
+    unsigned bits = 1;
+    while (((uint64_t)1 << bits) < 2 * (uint64_t)p->nseqs)
+        bits++;
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    uint32_t *set = dec_alloc(msg, (size_t)mask + 1, sizeof(*set), err);
+    if (!set)
         return err ? err->code : KP_E_NO_MEMORY;
-    memcpy(v, p->slots, (size_t)p->nseqs * 8);
-    qsort(v, p->nseqs, sizeof(*v), u64_cmp);
-    for (uint32_t i = 1; i < p->nseqs; i++) {
-        if (v[i] != v[i - 1])
-            continue;
-        uint32_t first = p->nseqs, again = 0;   /* name both entries for the message */
-        for (uint32_t j = 0; j < p->nseqs; j++) {
-            if (kp_step_u64(p->slots, j) != v[i])
-                continue;
-            if (first == p->nseqs)
-                first = j;
-            else {
-                again = j;
+    memset(set, 0, ((size_t)mask + 1) * sizeof(*set));
+    for (uint32_t i = 0; i < p->nseqs; i++) {
+        const uint64_t v = kp_step_u64(p->slots, i);
+        for (uint64_t h = (v * 0x9e3779b97f4a7c15ull) >> (64 - bits);; h = (h + 1) & mask) {
+            const uint32_t j = set[h];
+            if (j == 0) {
+                set[h] = i + 1;
                 break;
             }
+            if (kp_step_u64(p->slots, j - 1) == v)
+                return kp_fail(err, KP_E_INVALID_PARAMS, "slots[%u]: slot 0x%llx is also named "
+                               "by slots[%u]; a slot appears once per request", i,
+                               (unsigned long long)v, j - 1);
         }
-        return kp_fail(err, KP_E_INVALID_PARAMS, "slots[%u]: slot 0x%llx is also named by "
-                       "slots[%u]; a slot appears once per request", again,
-                       (unsigned long long)v[i], first);
     }
     return KP_OK;
 }

@@ -41,6 +41,7 @@ static const char step_help[] =
 static const char decode_help[] =
     "Usage: kdactl bench --decode [--seqs N] [--tokens T] [--steps K] [--warmup W]\n"
     "                    [--transport inline|shm|cuda-ipc|cuda-vmm] [--seed X] [--spin US]\n"
+    "                    [--ring]\n"
     "\n"
     "Decode load: one connection sends K steps of N sequences x T tokens, one after\n"
     "the other (the next when the last is answered, as a model's decode loop does).\n"
@@ -55,7 +56,10 @@ static const char decode_help[] =
     "  -x, --transport MODE  inline (default), shm, cuda-ipc or cuda-vmm (as kdactl bench)\n"
     "  -S, --seed X          seed of the inputs (default 1)\n"
     "  -P, --spin US         poll the socket without sleeping for up to US microseconds\n"
-    "                        after each answer (default 0)\n";
+    "                        after each answer (default 0)\n"
+    "  -r, --ring            frames through a shared memory ring instead of the socket\n"
+    "                        (kdac_ring_attach); with --spin the answers come without a\n"
+    "                        system call\n";
 
 /* Registers random (or given) weights under their content name; 0 or an exit code. */
 static int register_layer(const ctl *g, kdac_client *c, const layer_weights *w, char *name,
@@ -259,6 +263,7 @@ int cmd_step(ctl *g, int argc, char **argv)
 typedef struct decode_opts {
     uint64_t seqs, tokens, steps, warmup, seed, spin_us;
     bench_transport transport;
+    bool ring; /* frames through a ring (kdac_ring_attach) */
 } decode_opts;
 
 static int parse_decode(int argc, char **argv, decode_opts *o)
@@ -268,12 +273,13 @@ static int parse_decode(int argc, char **argv, decode_opts *o)
         {"tokens", required_argument, NULL, 'T'}, {"steps", required_argument, NULL, 'k'},
         {"warmup", required_argument, NULL, 'W'}, {"transport", required_argument, NULL, 'x'},
         {"seed", required_argument, NULL, 'S'},   {"spin", required_argument, NULL, 'P'},
-        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0}};
+        {"ring", no_argument, NULL, 'r'},         {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
     static const char *const transports[] = {"inline", "shm", "cuda-ipc", "cuda-vmm"};
-    *o = (decode_opts){256, 1, 1000, 20, 1, 0, BENCH_INLINE};
+    *o = (decode_opts){256, 1, 1000, 20, 1, 0, BENCH_INLINE, false};
     int ch;
     optind = 1;
-    while ((ch = getopt_long(argc, argv, "+EN:T:k:W:x:S:P:h", opts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "+EN:T:k:W:x:S:P:rh", opts, NULL)) != -1) {
         switch (ch) {
         case 'E': break;
         case 'N':
@@ -311,6 +317,7 @@ static int parse_decode(int argc, char **argv, decode_opts *o)
             o->transport = (bench_transport)k;
             break;
         }
+        case 'r': o->ring = true; break;
         case 'h': fputs(decode_help, stdout); return EXIT_OK;
         default: return ctl_usage("bench", "unknown option for --decode");
         }
@@ -346,6 +353,8 @@ static void report_decode(const ctl *g, const decode_opts *o, const kdac_server_
         json_object_object_add(o2, "tokens", json_u64(o->tokens));
         json_object_object_add(o2, "steps", json_u64(n));
         json_object_object_add(o2, "transport", json_object_new_string(transports[o->transport]));
+        json_object_object_add(o2, "ring", json_object_new_boolean(o->ring));
+        json_object_object_add(o2, "spin_us", json_u64(o->spin_us));
         json_object_object_add(o2, "step_p50_us", json_object_new_double(quantile(rtt, n, 0.5)));
         json_object_object_add(o2, "step_p99_us", json_object_new_double(quantile(rtt, n, 0.99)));
         json_object_object_add(o2, "step_mean_us", json_object_new_double(rtt_mean));
@@ -357,9 +366,9 @@ static void report_decode(const ctl *g, const decode_opts *o, const kdac_server_
         return;
     }
     printf("bench --decode: %s (backend %s, %u heads), %llu sequences x %llu tokens per step, "
-           "%llu steps, transport %s\n", info->server, info->backend, info->heads,
+           "%llu steps, transport %s%s\n", info->server, info->backend, info->heads,
            (unsigned long long)o->seqs, (unsigned long long)o->tokens, (unsigned long long)n,
-           transports[o->transport]);
+           transports[o->transport], o->ring ? ", frame ring" : "");
     printf("  step (end to end)   p50 %.1f us  p99 %.1f us  mean %.1f us\n",
            quantile(rtt, n, 0.5), quantile(rtt, n, 0.99), rtt_mean);
     printf("  kernel (daemon)     p50 %.1f us\n", quantile(kernel, n, 0.5));
@@ -394,6 +403,10 @@ int cmd_bench_decode(ctl *g, int argc, char **argv)
     if (kdac_client_set_spin(c, (int)o.spin_us, &err)) {
         kdac_client_close(c);
         return ctl_fail(g, "bench: --spin", &err);
+    }
+    if (o.ring && kdac_ring_attach(c, 0, &err)) {
+        kdac_client_close(c);
+        return ctl_fail(g, "bench: attach a frame ring", &err);
     }
     const uint32_t n = (uint32_t)o.seqs, T = (uint32_t)(o.seqs * o.tokens);
     bench_data data;
