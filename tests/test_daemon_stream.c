@@ -714,10 +714,10 @@ static void test_device_tensors_wait_on_the_device(void **state)
     wait64_fn wait64 = stream_wait64();
     dh_seq s;
     dh_seq_make(&s, &f.rng, LEN);
-    uint64_t sync_slot = alloc(f.c), slot = alloc(f.c), late_slot = alloc(f.c);
+    uint64_t sync_slot = dh_kdac_alloc(f.c), slot = dh_kdac_alloc(f.c), late_slot = dh_kdac_alloc(f.c);
     uint16_t *ref = malloc(DH_TOKEN_BYTES(LEN)), *out2 = malloc(DH_TOKEN_BYTES(LEN)), *got;
     CUDA_OK(cudaMallocHost((void **)&got, DH_TOKEN_BYTES(LEN)));
-    kdac_seq iq = inline_seq(sync_slot, &s, ref);
+    kdac_seq iq = dh_kdac_seq(sync_slot, &s, ref);
     assert_int_equal(kdac_prefill(f.c, "L", &iq, 1, NULL, &err), KDAC_OK);
 
     /* the region: the layout's blocks from offset 0, in a 2 MiB allocation */
@@ -782,8 +782,8 @@ static void test_device_tensors_wait_on_the_device(void **state)
                                             &b, &err), KDAC_OK);
     assert_false(wait_answer(f.c, &b, 50));
     print_message("a request waits for a word nobody writes\n");
-    kdac_client *other = open_client(&f.d, &f.layer);
-    uint64_t oslot = alloc(other);
+    kdac_client *other = dh_kdac_open(&f.d, &f.layer);
+    uint64_t oslot = dh_kdac_alloc(other);
     iq.slot = oslot;
     iq.out = kdac_output_inline(out2);
     for (int i = 0; i < 5; i++) {
