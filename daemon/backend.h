@@ -178,6 +178,7 @@ typedef struct kd_backend_info {
     char gpu_uuid[64];          /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
     uint32_t gpu_index;
     char gpu_pci_bus_id[32];    /* "0000:19:00.0" (lower case, as nvidia-smi prints it) */
+    bool gpu_mps;               /* the context is shared through CUDA MPS */
     uint32_t transports;        /* KP_TRANSPORT_* the backend can serve */
     uint32_t depth;             /* batches it takes at once (2: double-buffered) */
     bool stages_host;           /* host-only buffers are staged (kd_job_cost.stage_*) */

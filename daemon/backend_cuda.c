@@ -1927,9 +1927,11 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
 
     cudaError_t e;
     struct cudaDeviceProp prop;
+    int mps = 0;
     uint64_t pool_bytes = (uint64_t)cfg->slots * kd_backend_slot_bytes(b);
     rc = KP_E_INTERNAL;
     if ((e = cudaGetDeviceProperties(&prop, cb->device)) ||
+        (e = cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, cb->device)) ||
         (e = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) ||
         (e = cudaStreamCreateWithFlags(&cb->h2d, cudaStreamNonBlocking)) ||
         (e = cudaStreamCreateWithFlags(&cb->d2h, cudaStreamNonBlocking)) ||
@@ -2006,6 +2008,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         .paired_chains = (uint32_t)kda_cuda_paired_clusters(cb->k),
         .sems = cb->write_value64 != NULL,
         .gated_lanes = cb->nlanes,
+        .gpu_mps = mps != 0,
     };
     snprintf(b->info.gpu_name, sizeof(b->info.gpu_name), "%s", prop.name);
     format_uuid(b->info.gpu_uuid, sizeof(b->info.gpu_uuid), &prop.uuid);
@@ -2029,12 +2032,14 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     KD_INFO("backend cuda: %s (device %d, %s, PCI %s, %d SMs), pool of %u slots x %u heads "
             "(%s, %llu MiB), %u graph buckets up to %u sequences, staging 2 x %llu MiB each way, "
             "%u gated lanes, "
-            "completion %s",
+            "completion %s, %s",
             prop.name, device, b->info.gpu_uuid, b->info.gpu_pci_bus_id, kda_cuda_sm_count(k),
             cfg->slots, cfg->heads, cfg->dtype == KDA_DTYPE_F32 ? "f32" : "bf16",
             (unsigned long long)(pool_bytes >> 20), cb->nbuckets, max_seqs, (unsigned long long)(cb->stage_bytes >> 20),
             cb->nlanes,
-            cb->completion == KD_CUDA_COMPLETION_BLOCK ? "block" : "poll");
+            cb->completion == KD_CUDA_COMPLETION_BLOCK ? "block" : "poll",
+            mps ? "context shared through MPS"
+                : "own context (without MPS, a client's kernels and kdad's take turns on the GPU)");
     *out = b;
     return KP_OK;
 fail:

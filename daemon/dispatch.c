@@ -71,7 +71,7 @@ static void do_hello(kd_req *r)
     res.instance = d->instance;
     res.backend = bi->kind;
     res.has_gpu = bi->has_gpu;
-    res.gpu = (kp_gpu){bi->gpu_name, bi->gpu_uuid, bi->gpu_index, bi->gpu_pci_bus_id};
+    res.gpu = (kp_gpu){bi->gpu_name, bi->gpu_uuid, bi->gpu_index, bi->gpu_pci_bus_id, bi->gpu_mps};
     res.geometry = c->session.geometry;
     res.transports = transports(d);
     res.slots_persist = d->cfg.slots_persist;

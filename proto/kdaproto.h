@@ -517,6 +517,8 @@ typedef struct kp_gpu {
     const char *uuid;  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
     uint32_t index;    /* CUDA device ordinal inside the daemon */
     const char *pci_bus_id; /* PCI bus id, "0000:19:00.0"; NULL or "": not sent */
+    bool mps;               /* the daemon's context is shared through CUDA MPS (false: not
+                               shared, or an older daemon that does not say) */
 } kp_gpu;
 
 typedef struct kp_hello_result {

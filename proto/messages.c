@@ -212,7 +212,7 @@ static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_
 static const char *const hello_result_fields[] = {
     "version", "server", "instance", "backend", "gpu", "heads", "head_dim", "slots",
     "state_dtype", "transports", "slots_persist", "features", "limits", NULL};
-static const char *const gpu_fields[] = {"name", "uuid", "index", "pci_bus_id", NULL};
+static const char *const gpu_fields[] = {"name", "uuid", "index", "pci_bus_id", "mps", NULL};
 static const char *const transport_names[] = {"inline", "shm", "cuda_ipc", NULL};
 
 int kp_hello_result_encode(kp_writer *w, uint32_t id, const kp_hello_result *r, kp_error *err)
@@ -231,12 +231,13 @@ int kp_hello_result_encode(kp_writer *w, uint32_t id, const kp_hello_result *r, 
     if (r->has_gpu) {
         const bool pci = r->gpu.pci_bus_id && r->gpu.pci_bus_id[0];
         enc_key(w, "gpu");
-        enc_map(w, pci ? 4 : 3);
+        enc_map(w, pci ? 5 : 4);
         enc_kv_str(w, "name", r->gpu.name);
         enc_kv_str(w, "uuid", r->gpu.uuid);
         enc_kv_u64(w, "index", r->gpu.index);
         if (pci)
             enc_kv_str(w, "pci_bus_id", r->gpu.pci_bus_id);
+        enc_kv_bool(w, "mps", r->gpu.mps);
     } else {
         enc_kv_nil(w, "gpu");
     }
@@ -265,12 +266,13 @@ int kp_hello_result_encode(kp_writer *w, uint32_t id, const kp_hello_result *r, 
 static int decode_gpu(kp_msg *msg, const msgpack_object *o, kp_gpu *gpu, kp_error *err)
 {
     dec_fields f;
-    bool pci; /* optional: daemons before it send three fields */
+    bool pci, mps; /* optional: older daemons send three or four fields */
     int rc = dec_open(&f, msg, o, "gpu", gpu_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
     if (rc || (rc = dec_str(&f, "name", 0, KP_TEXT_MAX, &gpu->name, NULL, err)) ||
         (rc = dec_str(&f, "uuid", 0, KP_TEXT_MAX, &gpu->uuid, NULL, err)) ||
         (rc = dec_u32(&f, "index", 0, UINT32_MAX, &gpu->index, NULL, err)) ||
-        (rc = dec_str(&f, "pci_bus_id", 0, KP_TEXT_MAX, &gpu->pci_bus_id, &pci, err)))
+        (rc = dec_str(&f, "pci_bus_id", 0, KP_TEXT_MAX, &gpu->pci_bus_id, &pci, err)) ||
+        (rc = dec_bool(&f, "mps", &gpu->mps, &mps, err)))
         return rc;
     return KP_OK;
 }

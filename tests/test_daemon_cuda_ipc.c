@@ -316,6 +316,9 @@ static void test_other_gpu_refused(void **unused)
     assert_int_equal(r.gpu.index, 0);
     assert_non_null(r.gpu.pci_bus_id);
     assert_string_equal(r.gpu.pci_bus_id, pci);
+    int mps = 0; /* the daemon runs beside this process: under MPS both are */
+    assert_int_equal(cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, 0), cudaSuccess);
+    assert_int_equal(r.gpu.mps, mps != 0);
     snprintf(uuid, sizeof(uuid), "%s", r.gpu.uuid);
     kp_session_from_hello(&c.session, &r);
 

@@ -105,7 +105,7 @@ static void test_hello_result_round_trip(void **state)
         .backend = KP_BACKEND_CUDA,
         .has_gpu = true,
         .gpu = {.name = "NVIDIA H200", .uuid = "GPU-5a1c0e1e-0000-1111-2222-333344445555",
-                .index = 3, .pci_bus_id = "0000:19:00.0"},
+                .index = 3, .pci_bus_id = "0000:19:00.0", .mps = true},
         .geometry = test_session.geometry,
         .transports = KP_TRANSPORT_INLINE | KP_TRANSPORT_SHM | KP_TRANSPORT_CUDA_IPC,
         .slots_persist = true,
@@ -130,6 +130,7 @@ static void test_hello_result_round_trip(void **state)
     assert_string_equal(got.gpu.uuid, r.gpu.uuid);
     assert_int_equal(got.gpu.index, 3);
     assert_string_equal(got.gpu.pci_bus_id, "0000:19:00.0");
+    assert_true(got.gpu.mps);
     assert_int_equal(got.geometry.heads, H);
     assert_int_equal(got.geometry.head_dim, 128);
     assert_int_equal(got.geometry.slots, 64);
@@ -169,12 +170,14 @@ static void test_hello_result_round_trip(void **state)
 
     /* A daemon that does not know its GPU's bus id leaves the field out: still a GPU. */
     r.gpu.pci_bus_id = NULL;
+    r.gpu.mps = false;
     ENC(kp_hello_result_encode(&test_writer, 3, &r, &enc_err_));
     open_result(&x, 3);
     DEC(kp_hello_result_decode(&x.msg, &got, &dec_err_));
     assert_true(got.has_gpu);
     assert_int_equal(got.gpu.index, 3);
     assert_null(got.gpu.pci_bus_id);
+    assert_false(got.gpu.mps);
     wire_close(&x);
 
     /* CPU daemon: gpu nil, only inline and shm. */

@@ -353,6 +353,9 @@ typedef struct kdac_server_info {
     kdac_limits limits;
     char gpu_pci_bus_id[32];           /* "0000:19:00.0" with has_gpu; "" from a daemon that
                                           does not send it */
+    bool gpu_mps;                      /* the daemon's GPU context is shared through CUDA MPS,
+                                          so its kernels and a client's run side by side
+                                          (docs/daemon.md, "Sharing the GPU: MPS") */
     /* The per-uid and daemon-wide bounds in force at hello (a reload may change
      * them: kdac_stats_usage reports those in force).  has_bounds: the daemon
      * sent the clients.* ones (max_*_per_uid of layers and slots may come

@@ -117,6 +117,7 @@ static void hello_json(const kdac_client *c)
         json_object_object_add(gpu, "uuid", json_object_new_string(i->gpu_uuid));
         json_object_object_add(gpu, "index", json_u64(i->gpu_index));
         json_object_object_add(gpu, "pci_bus_id", json_object_new_string(i->gpu_pci_bus_id));
+        json_object_object_add(gpu, "mps", json_object_new_boolean(i->gpu_mps));
     }
     json_object_object_add(o, "gpu", gpu);
     json_object_object_add(o, "heads", json_u64(i->heads));
@@ -157,8 +158,9 @@ static void hello_text(const kdac_client *c)
     printf("  protocol    %u\n", i->version);
     printf("  backend     %s\n", i->backend);
     if (i->has_gpu)
-        printf("  gpu         %s (%s, index %u%s%s)\n", i->gpu_name, i->gpu_uuid, i->gpu_index,
-               i->gpu_pci_bus_id[0] ? ", PCI " : "", i->gpu_pci_bus_id);
+        printf("  gpu         %s (%s, index %u%s%s%s)\n", i->gpu_name, i->gpu_uuid, i->gpu_index,
+               i->gpu_pci_bus_id[0] ? ", PCI " : "", i->gpu_pci_bus_id,
+               i->gpu_mps ? ", shared through MPS" : "");
     else
         printf("  gpu         none\n");
     printf("  geometry    %u heads x %d, %u slots, state %s\n", i->heads, KDAC_HEAD_DIM, i->slots,

@@ -164,6 +164,7 @@ static int hello_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *re
         copy_text(i->gpu_uuid, sizeof(i->gpu_uuid), r.gpu.uuid);
         i->gpu_index = r.gpu.index;
         copy_text(i->gpu_pci_bus_id, sizeof(i->gpu_pci_bus_id), r.gpu.pci_bus_id);
+        i->gpu_mps = r.gpu.mps;
     }
     i->heads = r.geometry.heads;
     i->slots = r.geometry.slots;

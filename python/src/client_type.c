@@ -218,8 +218,10 @@ static PyObject *client_hello(PyObject *o, PyObject *unused)
         return NULL;
     const kdac_server_info *i = kdac_client_info(self->c);
     const kdac_limits *l = &i->limits;
-    PyObject *gpu = i->has_gpu ? Py_BuildValue("{sssssI}", "name", i->gpu_name, "uuid",
-                                               i->gpu_uuid, "index", i->gpu_index)
+    PyObject *gpu = i->has_gpu ? Py_BuildValue("{sssssIsssO}", "name", i->gpu_name, "uuid",
+                                               i->gpu_uuid, "index", i->gpu_index, "pci_bus_id",
+                                               i->gpu_pci_bus_id, "mps",
+                                               i->gpu_mps ? Py_True : Py_False)
                                : Py_NewRef(Py_None);
     PyObject *tr = PyList_New(0), *feat = PyList_New(0);
     if (!gpu || !tr || !feat)
