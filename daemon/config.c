@@ -1057,3 +1057,22 @@ void kd_config_print(const kd_config *c, FILE *f)
         print_origin(f, c->marks[i]);
     }
 }
+
+kp_client_bounds kd_config_client_bounds(const kd_config *cfg)
+{
+    return (kp_client_bounds){
+        .max_connections = cfg->max_connections,
+        .max_connections_per_uid = cfg->max_connections_per_uid,
+        .max_inflight_bytes_per_uid = cfg->max_inflight_bytes_per_uid,
+        .max_inflight_bytes_total = cfg->max_inflight_bytes_total,
+        .output_hard_limit = cfg->output_hard_limit,
+        .output_soft_limit = cfg->output_soft_limit,
+        .output_soft_seconds = cfg->output_soft_seconds,
+        .max_output_bytes_per_uid = cfg->max_output_bytes_per_uid,
+        .max_output_bytes_total = cfg->max_output_bytes_total,
+        .max_region_bytes_per_connection = cfg->max_region_bytes_per_connection,
+        .max_region_bytes_per_uid = cfg->max_region_bytes_per_uid,
+        .frame_stall_seconds = cfg->frame_stall_seconds,
+        .output_stall_seconds = cfg->output_stall_seconds,
+    };
+}

@@ -148,6 +148,9 @@ int kd_config_load_text(kd_config *cfg, const char *name, const char *text, size
                         char *err, size_t errlen);
 
 void kd_config_free(kd_config *cfg);
+
+/* The clients.* bounds as hello and stats announce them. */
+kp_client_bounds kd_config_client_bounds(const kd_config *cfg);
 /* Writes the configuration as YAML kdad reads back, every key with where its value came
  * from (the built-in file, FILE:LINE, or a flag) as a comment: `kdad --print-config`. */
 void kd_config_print(const kd_config *cfg, FILE *f);

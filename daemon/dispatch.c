@@ -81,6 +81,8 @@ static void do_hello(kd_req *r)
     res.features = features;
     res.nfeatures = bi->sems ? 3 : 2;
     res.limits = c->session.limits;
+    res.limits.has_clients = true; /* as configured now: a reload may change them */
+    res.limits.clients = kd_config_client_bounds(&d->cfg);
     kd_out *o = kd_req_frame(r);
     if (o)
         kd_req_reply(r, o, kp_hello_result_encode(&o->w, r->id, &res, &e), &e);
@@ -125,6 +127,18 @@ static void do_stats(kd_req *r)
     res.uid = uid;
     res.uid_layers = kd_layers_of_uid(&d->layers, uid);
     res.uid_slots = kd_pool_uid_holds(&d->pool, uid);
+    const kd_uid_use u = kd_quota_use(&d->quota, uid); /* this request's bytes among them */
+    res.has_uid_held = true;
+    res.uid_connections = u.connections;
+    res.uid_held = (kp_held){u.inflight_bytes, u.partial_bytes, u.output_bytes, u.region_bytes};
+    const kd_quota *q = &d->quota;
+    res.has_clients = true;
+    res.held = (kp_held){q->inflight_bytes, q->partial_bytes, q->output_bytes, q->region_bytes};
+    res.held_peak = (kp_held){q->peak_inflight_bytes, q->peak_partial_bytes,
+                              q->peak_output_bytes, q->peak_region_bytes};
+    res.stalled = d->stats.disconnects[KD_DISC_STALLED];
+    res.refused = d->stats.disconnects[KD_DISC_TOO_MANY] + d->stats.disconnects[KD_DISC_QUOTA];
+    res.bounds = kd_config_client_bounds(&d->cfg);
     char *text = NULL;
     if (flags & KP_STATS_PROMETHEUS) {
         /* The same rendering as the metrics file, from the same counters. */

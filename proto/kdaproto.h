@@ -210,6 +210,24 @@ typedef struct kp_geometry {
     kp_dtype state_dtype;  /* pool element type */
 } kp_geometry;
 
+/* What one connection, one uid and all clients together may make the daemon
+ * hold (the daemon's clients.* configuration keys, named alike). */
+typedef struct kp_client_bounds {
+    uint32_t max_connections;                 /* connections open, all uids */
+    uint32_t max_connections_per_uid;
+    uint64_t max_inflight_bytes_per_uid;      /* unanswered request bytes, frames arriving too */
+    uint64_t max_inflight_bytes_total;        /* the same, all uids */
+    uint64_t output_hard_limit;               /* unread response bytes of one connection */
+    uint64_t output_soft_limit;               /* ... tolerated output_soft_seconds */
+    uint32_t output_soft_seconds;
+    uint64_t max_output_bytes_per_uid;        /* unread response bytes of one uid */
+    uint64_t max_output_bytes_total;          /* the same, all uids */
+    uint64_t max_region_bytes_per_connection; /* mapped region bytes */
+    uint64_t max_region_bytes_per_uid;
+    uint32_t frame_stall_seconds;             /* a frame begun and no byte since: closed */
+    uint32_t output_stall_seconds;            /* unread output and no byte taken since: closed */
+} kp_client_bounds;
+
 typedef struct kp_limits {
     uint64_t max_frame_bytes;        /* frame body cap after hello, both directions */
     uint64_t max_inline_bytes;       /* inline tensor bytes in one request, and in one result */
@@ -223,6 +241,10 @@ typedef struct kp_limits {
     uint32_t max_layers;             /* layers in the daemon */
     uint32_t max_layers_per_uid;     /* client layers of one uid; 0: not announced */
     uint32_t max_slots_per_uid;      /* slots of one uid, all its owners; 0: not announced */
+    /* "clients": the daemon's clients.* bounds (PROTOCOL.md, hello); has_clients
+       is false from daemons before them */
+    bool has_clients;
+    kp_client_bounds clients;
 } kp_limits;
 
 /* Fills the named defaults above. */
@@ -564,6 +586,14 @@ typedef struct kp_phase {
     uint64_t p50_us, p90_us, p99_us, sum_us;
 } kp_phase;
 
+/* Bytes clients make the daemon hold, by kind (stats "clients" and "uid"). */
+typedef struct kp_held {
+    uint64_t inflight_bytes; /* request frames not answered yet, those still arriving too */
+    uint64_t partial_bytes;  /* of which frames still arriving */
+    uint64_t output_bytes;   /* responses not read yet */
+    uint64_t region_bytes;   /* regions mapped */
+} kp_held;
+
 typedef struct kp_stats_result {
     uint64_t uptime_us;
     uint32_t connections;        /* open now */
@@ -586,6 +616,16 @@ typedef struct kp_stats_result {
        absent from older daemons */
     bool has_uid;
     uint32_t uid, uid_layers, uid_slots;
+    bool has_uid_held;           /* uid.connections and uid.held (absent from older daemons) */
+    uint32_t uid_connections;    /* the uid's connections open */
+    kp_held uid_held;            /* what the uid makes the daemon hold */
+    /* "clients": what all clients make the daemon hold, against the bounds
+       (absent from older daemons) */
+    bool has_clients;
+    kp_held held, held_peak;     /* now, and the most since start */
+    uint64_t stalled;            /* connections closed for a stalled frame or output */
+    uint64_t refused;            /* connections refused by max_connections or a per-uid quota */
+    kp_client_bounds bounds;     /* the bounds now (a reload may change them after hello) */
     uint32_t regions;            /* regions registered, all connections */
     uint32_t rings;              /* connections whose frames use a frame ring now (0 from
                                     daemons before the field) */

@@ -84,12 +84,76 @@ static const char *const limits_fields[] = {
     "max_frame_bytes", "max_inline_bytes", "max_batch_tokens", "max_batch_seqs",
     "max_seqs_per_request", "max_slots_per_client", "max_regions_per_client",
     "max_inflight_requests", "max_inflight_bytes", "max_layers", "max_layers_per_uid",
-    "max_slots_per_uid", NULL};
+    "max_slots_per_uid", "clients", NULL};
+
+static const char *const client_bounds_fields[] = {
+    "max_connections", "max_connections_per_uid", "max_inflight_bytes_per_uid",
+    "max_inflight_bytes_total", "output_hard_limit", "output_soft_limit", "output_soft_seconds",
+    "max_output_bytes_per_uid", "max_output_bytes_total", "max_region_bytes_per_connection",
+    "max_region_bytes_per_uid", "frame_stall_seconds", "output_stall_seconds", NULL};
+
+/* The clients.* bounds, under key (hello's limits.clients, stats' clients.bounds). */
+static void encode_client_bounds(kp_writer *w, const char *key, const kp_client_bounds *b)
+{
+    enc_str(w, key);
+    enc_map(w, 13);
+    enc_kv_u64(w, "max_connections", b->max_connections);
+    enc_kv_u64(w, "max_connections_per_uid", b->max_connections_per_uid);
+    enc_kv_u64(w, "max_inflight_bytes_per_uid", b->max_inflight_bytes_per_uid);
+    enc_kv_u64(w, "max_inflight_bytes_total", b->max_inflight_bytes_total);
+    enc_kv_u64(w, "output_hard_limit", b->output_hard_limit);
+    enc_kv_u64(w, "output_soft_limit", b->output_soft_limit);
+    enc_kv_u64(w, "output_soft_seconds", b->output_soft_seconds);
+    enc_kv_u64(w, "max_output_bytes_per_uid", b->max_output_bytes_per_uid);
+    enc_kv_u64(w, "max_output_bytes_total", b->max_output_bytes_total);
+    enc_kv_u64(w, "max_region_bytes_per_connection", b->max_region_bytes_per_connection);
+    enc_kv_u64(w, "max_region_bytes_per_uid", b->max_region_bytes_per_uid);
+    enc_kv_u64(w, "frame_stall_seconds", b->frame_stall_seconds);
+    enc_kv_u64(w, "output_stall_seconds", b->output_stall_seconds);
+}
+
+/* Each field optional (0: not sent), so that a daemon may add or drop one. */
+static int decode_client_bounds(kp_msg *msg, const msgpack_object *o, const char *path,
+                                kp_client_bounds *b, kp_error *err)
+{
+    dec_fields f;
+    bool here;
+    memset(b, 0, sizeof(*b));
+    int rc = dec_open(&f, msg, o, path, client_bounds_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
+    if (rc ||
+        (rc = dec_u32(&f, "max_connections", 0, UINT32_MAX, &b->max_connections, &here, err)) ||
+        (rc = dec_u32(&f, "max_connections_per_uid", 0, UINT32_MAX,
+                      &b->max_connections_per_uid, &here, err)) ||
+        (rc = dec_u64(&f, "max_inflight_bytes_per_uid", 0, UINT64_MAX,
+                      &b->max_inflight_bytes_per_uid, &here, err)) ||
+        (rc = dec_u64(&f, "max_inflight_bytes_total", 0, UINT64_MAX,
+                      &b->max_inflight_bytes_total, &here, err)) ||
+        (rc = dec_u64(&f, "output_hard_limit", 0, UINT64_MAX, &b->output_hard_limit, &here,
+                      err)) ||
+        (rc = dec_u64(&f, "output_soft_limit", 0, UINT64_MAX, &b->output_soft_limit, &here,
+                      err)) ||
+        (rc = dec_u32(&f, "output_soft_seconds", 0, UINT32_MAX, &b->output_soft_seconds, &here,
+                      err)) ||
+        (rc = dec_u64(&f, "max_output_bytes_per_uid", 0, UINT64_MAX,
+                      &b->max_output_bytes_per_uid, &here, err)) ||
+        (rc = dec_u64(&f, "max_output_bytes_total", 0, UINT64_MAX,
+                      &b->max_output_bytes_total, &here, err)) ||
+        (rc = dec_u64(&f, "max_region_bytes_per_connection", 0, UINT64_MAX,
+                      &b->max_region_bytes_per_connection, &here, err)) ||
+        (rc = dec_u64(&f, "max_region_bytes_per_uid", 0, UINT64_MAX,
+                      &b->max_region_bytes_per_uid, &here, err)) ||
+        (rc = dec_u32(&f, "frame_stall_seconds", 0, UINT32_MAX, &b->frame_stall_seconds, &here,
+                      err)) ||
+        (rc = dec_u32(&f, "output_stall_seconds", 0, UINT32_MAX, &b->output_stall_seconds,
+                      &here, err)))
+        return rc;
+    return KP_OK;
+}
 
 static void encode_limits(kp_writer *w, const kp_limits *l)
 {
     enc_key(w, "limits");
-    enc_map(w, 12);
+    enc_map(w, 12 + l->has_clients);
     enc_kv_u64(w, "max_frame_bytes", l->max_frame_bytes);
     enc_kv_u64(w, "max_inline_bytes", l->max_inline_bytes);
     enc_kv_u64(w, "max_batch_tokens", l->max_batch_tokens);
@@ -102,6 +166,8 @@ static void encode_limits(kp_writer *w, const kp_limits *l)
     enc_kv_u64(w, "max_layers", l->max_layers);
     enc_kv_u64(w, "max_layers_per_uid", l->max_layers_per_uid);
     enc_kv_u64(w, "max_slots_per_uid", l->max_slots_per_uid);
+    if (l->has_clients)
+        encode_client_bounds(w, "clients", &l->clients);
 }
 
 static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_error *err)
@@ -131,6 +197,11 @@ static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_
                       err)) ||
         (rc = dec_u32(&f, "max_slots_per_uid", 0, UINT32_MAX, &l->max_slots_per_uid, &here,
                       err)))
+        return rc;
+    const msgpack_object *clients;
+    if ((rc = dec_map(&f, "clients", &clients, &l->has_clients, err)) ||
+        (l->has_clients &&
+         (rc = decode_client_bounds(msg, clients, "limits.clients", &l->clients, err))))
         return rc;
     kp_error why;
     if (kp_limits_check(l, &why))
@@ -395,8 +466,12 @@ static const char *const stats_fields[] = {
     "uptime_us", "connections", "connections_total", "requests", "batches", "batches_held",
     "batches_gathered", "seqs", "tokens", "latency_us", "pool", "layers", "regions", "rings",
     "ring_doorbells", "errors", "disconnects", "transport_bytes", "prometheus", "batch_us", "uid",
-    NULL};
-static const char *const uid_fields[] = {"uid", "layers", "slots", NULL};
+    "clients", NULL};
+static const char *const uid_fields[] = {"uid", "layers", "slots", "connections", "held", NULL};
+static const char *const held_fields[] = {"inflight_bytes", "partial_bytes", "output_bytes",
+                                          "region_bytes", NULL};
+static const char *const clients_fields[] = {"held", "peak", "stalled", "refused", "bounds",
+                                             NULL};
 static const char *const batch_fields[] = {"count", "window", "phases", NULL};
 static const char *const phase_fields[] = {"p50", "p90", "p99", "sum", NULL};
 static const char *const latency_fields[] = {"count", "p50", "p90", "p99", "max", "bounds",
@@ -422,6 +497,29 @@ static void encode_u64_array(kp_writer *w, const char *key, const uint64_t *v, u
         enc_u64(w, v[i]);
 }
 
+static void encode_held(kp_writer *w, const char *key, const kp_held *h)
+{
+    enc_str(w, key);
+    enc_map(w, 4);
+    enc_kv_u64(w, "inflight_bytes", h->inflight_bytes);
+    enc_kv_u64(w, "partial_bytes", h->partial_bytes);
+    enc_kv_u64(w, "output_bytes", h->output_bytes);
+    enc_kv_u64(w, "region_bytes", h->region_bytes);
+}
+
+static int decode_held(kp_msg *msg, const msgpack_object *o, const char *path, kp_held *h,
+                       kp_error *err)
+{
+    dec_fields f;
+    int rc = dec_open(&f, msg, o, path, held_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
+    if (rc || (rc = dec_u64(&f, "inflight_bytes", 0, UINT64_MAX, &h->inflight_bytes, NULL, err)) ||
+        (rc = dec_u64(&f, "partial_bytes", 0, UINT64_MAX, &h->partial_bytes, NULL, err)) ||
+        (rc = dec_u64(&f, "output_bytes", 0, UINT64_MAX, &h->output_bytes, NULL, err)) ||
+        (rc = dec_u64(&f, "region_bytes", 0, UINT64_MAX, &h->region_bytes, NULL, err)))
+        return rc;
+    return KP_OK;
+}
+
 int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, kp_error *err)
 {
     if (r->latency_nbounds > KP_HIST_MAX_BUCKETS)
@@ -445,7 +543,8 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
         if (rc)
             return rc;
     }
-    enc_result(w, id, 18 + (r->prometheus != NULL) + r->has_batch_phases + r->has_uid);
+    enc_result(w, id,
+               18 + (r->prometheus != NULL) + r->has_batch_phases + r->has_uid + r->has_clients);
     enc_kv_u64(w, "uptime_us", r->uptime_us);
     enc_kv_u64(w, "connections", r->connections);
     enc_kv_u64(w, "connections_total", r->connections_total);
@@ -475,10 +574,23 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
     enc_kv_u64(w, "layers", r->layers);
     if (r->has_uid) {
         enc_key(w, "uid");
-        enc_map(w, 3);
+        enc_map(w, 3 + 2 * r->has_uid_held);
         enc_kv_u64(w, "uid", r->uid);
         enc_kv_u64(w, "layers", r->uid_layers);
         enc_kv_u64(w, "slots", r->uid_slots);
+        if (r->has_uid_held) {
+            enc_kv_u64(w, "connections", r->uid_connections);
+            encode_held(w, "held", &r->uid_held);
+        }
+    }
+    if (r->has_clients) {
+        enc_key(w, "clients");
+        enc_map(w, 5);
+        encode_held(w, "held", &r->held);
+        encode_held(w, "peak", &r->held_peak);
+        enc_kv_u64(w, "stalled", r->stalled);
+        enc_kv_u64(w, "refused", r->refused);
+        encode_client_bounds(w, "bounds", &r->bounds);
     }
     enc_kv_u64(w, "regions", r->regions);
     enc_kv_u64(w, "rings", r->rings);
@@ -624,12 +736,38 @@ static int decode_transport_bytes(kp_msg *msg, const msgpack_object *o, kp_stats
 static int decode_uid(kp_msg *msg, const msgpack_object *o, kp_stats_result *r, kp_error *err)
 {
     dec_fields f;
+    const msgpack_object *held;
+    bool has_held, present;
     int rc = dec_open(&f, msg, o, "uid", uid_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
     if (rc || (rc = dec_u32(&f, "uid", 0, UINT32_MAX, &r->uid, NULL, err)) ||
         (rc = dec_u32(&f, "layers", 0, UINT32_MAX, &r->uid_layers, NULL, err)) ||
-        (rc = dec_u32(&f, "slots", 0, UINT32_MAX, &r->uid_slots, NULL, err)))
+        (rc = dec_u32(&f, "slots", 0, UINT32_MAX, &r->uid_slots, NULL, err)) ||
+        /* connections and held: optional, together (daemons before them send neither) */
+        (rc = dec_u32(&f, "connections", 0, UINT32_MAX, &r->uid_connections, &present, err)) ||
+        (rc = dec_map(&f, "held", &held, &has_held, err)) ||
+        (has_held && (rc = decode_held(msg, held, "uid.held", &r->uid_held, err))))
         return rc;
     r->has_uid = true;
+    r->has_uid_held = has_held;
+    return KP_OK;
+}
+
+static int decode_clients(kp_msg *msg, const msgpack_object *o, kp_stats_result *r,
+                          kp_error *err)
+{
+    dec_fields f;
+    const msgpack_object *held, *peak, *bounds;
+    int rc = dec_open(&f, msg, o, "clients", clients_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
+    if (rc || (rc = dec_map(&f, "held", &held, NULL, err)) ||
+        (rc = dec_map(&f, "peak", &peak, NULL, err)) ||
+        (rc = dec_map(&f, "bounds", &bounds, NULL, err)) ||
+        (rc = dec_u64(&f, "stalled", 0, UINT64_MAX, &r->stalled, NULL, err)) ||
+        (rc = dec_u64(&f, "refused", 0, UINT64_MAX, &r->refused, NULL, err)) ||
+        (rc = decode_held(msg, held, "clients.held", &r->held, err)) ||
+        (rc = decode_held(msg, peak, "clients.peak", &r->held_peak, err)) ||
+        (rc = decode_client_bounds(msg, bounds, "clients.bounds", &r->bounds, err)))
+        return rc;
+    r->has_clients = true;
     return KP_OK;
 }
 
@@ -675,8 +813,8 @@ static int decode_batch(kp_msg *msg, const msgpack_object *o, kp_stats_result *r
 int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
 {
     dec_fields f;
-    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch, *uid;
-    bool has_prometheus, has_batch, has_uid, present;
+    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch, *uid, *clients;
+    bool has_prometheus, has_batch, has_uid, has_clients, present;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, stats_fields, err);
     if (rc || (rc = dec_u64(&f, "uptime_us", 0, UINT64_MAX, &r->uptime_us, NULL, err)) ||
@@ -708,7 +846,9 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
         (rc = dec_map(&f, "batch_us", &batch, &has_batch, err)) ||
         (has_batch && (rc = decode_batch(msg, batch, r, err))) ||
         (rc = dec_map(&f, "uid", &uid, &has_uid, err)) ||
-        (has_uid && (rc = decode_uid(msg, uid, r, err))))
+        (has_uid && (rc = decode_uid(msg, uid, r, err))) ||
+        (rc = dec_map(&f, "clients", &clients, &has_clients, err)) ||
+        (has_clients && (rc = decode_clients(msg, clients, r, err))))
         return rc;
     return decode_transport_bytes(msg, bytes, r, err);
 }

@@ -14,6 +14,8 @@
  *                complete requests meet BUSY), reading stops past the bound,
  *                and the stalled connections are closed after
  *                clients.frame_stall_seconds.
+ *   reported     hello and stats report the bounds configured, and the
+ *                usage against them while a frame is half sent.
  *
  * KDAD_BOUNDS_FULL=1 runs the attacks at full size (250 MiB frames, 2000
  * reads of 256 KiB per connection: 4 GiB of answers) and prints kdad's peak RSS, with
@@ -330,12 +332,112 @@ static void test_half_frames(void **unused)
     dh_stop(&d);
 }
 
+/* ---------------------------------------------------------------------- */
+
+/* The bounds in force, as hello and stats report them, and the usage against
+ * them: a frame half sent shows as the uid's partial bytes until it stalls. */
+static void test_bounds_reported(void **unused)
+{
+    (void)unused;
+    dh_daemon d;
+    dh_start_or_skip(&d, "heads: 4\nslots: 16\ncpu_threads: 1\nlimits:\n"
+                         "  max_frame_bytes: 16MiB\n  max_inline_bytes: 16MiB\n"
+                         "  max_inflight_bytes: 16MiB\nclients:\n"
+                         "  max_connections_per_uid: 3\n  max_inflight_bytes_per_uid: 40MiB\n"
+                         "  max_output_bytes_per_uid: 64MiB\n  frame_stall_seconds: 2\n"
+                         "  output_stall_seconds: 9\n");
+    dh_client watch, half, third, fourth;
+    dh_connect(&watch, &d);
+    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "test_bounds"};
+    uint32_t id = dh_id(&watch);
+    assert_int_equal(kp_hello_params_encode(&watch.w, id, &hp, NULL), KP_OK);
+    dh_send(&watch);
+    dh_expect_result(&watch, id);
+    kp_hello_result h;
+    assert_int_equal(kp_hello_result_decode(&watch.msg, &h, NULL), KP_OK);
+    kp_session_from_hello(&watch.session, &h);
+    assert_true(h.limits.has_clients);
+    assert_int_equal(h.limits.clients.max_connections_per_uid, 3);
+    assert_int_equal(h.limits.clients.max_inflight_bytes_per_uid, 40u << 20);
+    assert_int_equal(h.limits.clients.max_output_bytes_per_uid, 64u << 20);
+    assert_int_equal(h.limits.clients.frame_stall_seconds, 2);
+    assert_int_equal(h.limits.clients.output_stall_seconds, 9);
+    /* the keys left out: resolved, never 0 */
+    assert_true(h.limits.clients.max_inflight_bytes_total >= (16u << 20));
+    assert_true(h.limits.clients.max_region_bytes_per_uid > 0);
+    assert_true(h.limits.clients.max_connections > 0);
+    assert_int_equal(h.limits.max_slots_per_uid, 16);
+    assert_true(h.limits.max_layers_per_uid > 0);
+
+    kp_stats_result r;
+    dh_stats(&watch, &r);
+    assert_true(r.has_clients && r.has_uid && r.has_uid_held);
+    assert_int_equal(r.bounds.max_inflight_bytes_per_uid, 40u << 20);
+    assert_int_equal(r.bounds.frame_stall_seconds, 2);
+    assert_int_equal(r.uid_connections, 1);
+    assert_int_equal(r.uid_held.partial_bytes, 0);
+    assert_true(r.uid_held.inflight_bytes > 0); /* the stats request itself */
+    assert_true(r.uid_held.inflight_bytes < 64);
+    assert_int_equal(r.held.partial_bytes, 0);
+    assert_int_equal(r.stalled, 0);
+    assert_int_equal(r.refused, 0);
+
+    /* 256 KiB of a 1 MiB frame body */
+    dh_connect(&half, &d);
+    dh_hello(&half);
+    const size_t body = 1u << 20, sent = 256u << 10;
+    uint8_t *frame = calloc(1, 4 + sent);
+    assert_non_null(frame);
+    frame[1] = (uint8_t)(body >> 16);
+    dh_write(&half, frame, 4 + sent);
+    free(frame);
+    for (int i = 0; i < 400; i++) {
+        dh_stats(&watch, &r);
+        if (r.uid_held.partial_bytes == sent)
+            break;
+        usleep(5000);
+    }
+    assert_int_equal(r.uid_held.partial_bytes, sent);
+    assert_int_equal(r.held.partial_bytes, sent);
+    assert_true(r.uid_held.inflight_bytes > sent); /* the partial bytes and the stats request */
+    assert_true(r.held_peak.partial_bytes >= sent);
+    assert_int_equal(r.uid_connections, 2);
+
+    /* the uid's fourth connection is refused */
+    dh_connect(&third, &d);
+    dh_hello(&third);
+    dh_connect(&fourth, &d);
+    dh_expect_goodbye(&fourth, KP_E_QUOTA_EXCEEDED, "clients.max_connections_per_uid");
+    dh_close(&fourth);
+    dh_stats(&watch, &r);
+    assert_int_equal(r.refused, 1);
+    assert_int_equal(r.uid_connections, 3);
+
+    /* the half frame stalls: closed, its bytes given back */
+    dh_expect_goodbye(&half, KP_E_BUSY, "clients.frame_stall_seconds");
+    dh_close(&half);
+    dh_stats(&watch, &r);
+    assert_int_equal(r.stalled, 1);
+    assert_int_equal(r.uid_held.partial_bytes, 0);
+    assert_int_equal(r.held.partial_bytes, 0);
+    assert_true(r.held_peak.partial_bytes >= sent);
+    for (int i = 0; i < 400 && r.uid_connections != 2; i++) {
+        usleep(5000);
+        dh_stats(&watch, &r);
+    }
+    assert_int_equal(r.uid_connections, 2);
+    dh_close(&third);
+    dh_close(&watch);
+    dh_stop(&d);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sparse_regions),
         cmocka_unit_test(test_unread_output),
         cmocka_unit_test(test_half_frames),
+        cmocka_unit_test(test_bounds_reported),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -396,6 +396,18 @@ static void script_registry(fake_conn *fc, void *arg)
             .nphases = 2};
         ANSWER(fc, kp_stats_result_encode(&fc->w, id, &r, E));
     }
+    /* a daemon that reports the usage against the bounds (asked twice) */
+    for (int i = 0; i < 2 && (id = fake_expect(fc, KP_METHOD_STATS)); i++) {
+        kp_stats_result r = {
+            .latency_nbounds = 0, .latency_counts = (const uint64_t[]){0},
+            .has_uid = true, .uid = 1234, .uid_layers = 2, .uid_slots = 9,
+            .has_uid_held = true, .uid_connections = 3, .uid_held = {100, 40, 7, 4096},
+            .has_clients = true, .held = {200, 80, 14, 8192}, .held_peak = {300, 90, 21, 9000},
+            .stalled = 5, .refused = 6,
+            .bounds = {.max_connections = 50, .max_connections_per_uid = 4,
+                       .max_inflight_bytes_per_uid = 1u << 20, .output_stall_seconds = 11}};
+        ANSWER(fc, kp_stats_result_encode(&fc->w, id, &r, E));
+    }
     if ((id = fake_expect(fc, KP_METHOD_LAYER_REGISTER))) {
         kp_layer_register_params p;
         if (PARAMS(fc, kp_layer_register_params_decode(&fc->msg, &fc->session, &p, PE))) {
@@ -438,8 +450,16 @@ static void test_registry_calls(void **state)
     assert_int_equal(h.queued, 3);
     assert_int_equal(h.running, 1);
 
+    assert_false(kdac_client_info(c)->has_bounds); /* a daemon before limits.clients */
     kdac_stats_info *st = calloc(1, sizeof(*st));
-    assert_int_equal(kdac_stats(c, st, &err), KDAC_OK);
+    /* a daemon before the usage against the bounds: none reported */
+    kdac_usage_info u;
+    memset(&u, 0xab, sizeof(u));
+    assert_int_equal(kdac_stats_usage(c, st, &u, sizeof(u), &err), KDAC_OK);
+    assert_false(u.has_uid);
+    assert_false(u.has_uid_held);
+    assert_false(u.has_clients);
+    assert_int_equal(u.bounds.max_inflight_bytes_per_uid, 0);
     assert_int_equal(st->requests, 300);
     assert_int_equal(st->tokens, 5000);
     assert_int_equal(st->latency_p99_us, 9000);
@@ -463,6 +483,39 @@ static void test_registry_calls(void **state)
     assert_int_equal(st->bytes_in[KDAC_TRANSPORT_ID_CUDA_IPC], 3);
     assert_int_equal(st->bytes_out[KDAC_TRANSPORT_ID_INLINE], 4);
     free(st);
+
+    /* A daemon that reports it, into a struct as an older caller compiled it */
+    memset(&u, 0xab, sizeof(u));
+    assert_int_equal(kdac_stats_usage(c, NULL, &u, offsetof(kdac_usage_info, has_clients), &err),
+                     KDAC_OK);
+    assert_true(u.has_uid);
+    assert_int_equal(u.uid, 1234);
+    assert_int_equal(u.layers, 2);
+    assert_int_equal(u.slots, 9);
+    assert_true(u.has_uid_held);
+    assert_int_equal(u.connections, 3);
+    assert_int_equal(u.held.partial_bytes, 40);
+    assert_int_equal(u.held.region_bytes, 4096);
+    assert_int_equal(u.stalled, 0xababababababababull); /* past the size given: untouched */
+    st = calloc(1, sizeof(*st));
+    assert_int_equal(kdac_stats_usage(c, st, &u, sizeof(u), &err), KDAC_OK);
+    assert_int_equal(st->slots_total, 0); /* both filled from the one answer */
+    assert_true(u.has_clients);
+    assert_int_equal(u.total.inflight_bytes, 200);
+    assert_int_equal(u.total.output_bytes, 14);
+    assert_int_equal(u.peak.partial_bytes, 90);
+    assert_int_equal(u.peak.region_bytes, 9000);
+    assert_int_equal(u.stalled, 5);
+    assert_int_equal(u.refused, 6);
+    assert_int_equal(u.bounds.max_connections, 50);
+    assert_int_equal(u.bounds.max_connections_per_uid, 4);
+    assert_int_equal(u.bounds.max_inflight_bytes_per_uid, 1u << 20);
+    assert_int_equal(u.bounds.output_stall_seconds, 11);
+    assert_int_equal(u.bounds.frame_stall_seconds, 0);
+    /* the per-uid layers and slots as hello told */
+    assert_int_equal(u.bounds.max_slots_per_uid, kdac_client_info(c)->bounds.max_slots_per_uid);
+    free(st);
+    assert_int_equal(kdac_stats_usage(c, NULL, NULL, 0, &err), KDAC_E_INVALID_ARGUMENT);
 
     float A_log[H], dt_bias[H * 128] = {0};
     for (int i = 0; i < H; i++)

@@ -58,6 +58,15 @@ static void configure_gpu(kp_hello_result *h)
     h->transports = KP_TRANSPORT_INLINE | KP_TRANSPORT_SHM | KP_TRANSPORT_CUDA_IPC;
     h->slots_persist = true;
     h->limits.max_batch_tokens = 32768;
+    h->limits.max_slots_per_uid = 2048;
+    h->limits.has_clients = true;
+    h->limits.clients = (kp_client_bounds){
+        .max_connections = 100, .max_connections_per_uid = 8,
+        .max_inflight_bytes_per_uid = 3ull << 30, .max_inflight_bytes_total = 6ull << 30,
+        .output_hard_limit = 1u << 30, .output_soft_limit = 1u << 29, .output_soft_seconds = 10,
+        .max_output_bytes_per_uid = 2ull << 30, .max_output_bytes_total = 4ull << 30,
+        .max_region_bytes_per_connection = 5ull << 30, .max_region_bytes_per_uid = 7ull << 30,
+        .frame_stall_seconds = 30, .output_stall_seconds = 31};
     static const char *const features[] = {"future.thing"};
     h->features = features;
     h->nfeatures = 1;
@@ -90,6 +99,21 @@ static void test_hello_info(void **state)
     assert_int_equal(i->limits.max_batch_tokens, 32768);
     assert_int_equal(i->limits.max_frame_bytes, KP_DEFAULT_MAX_FRAME_BYTES);
     assert_int_equal(i->limits.max_inflight_bytes, KP_DEFAULT_MAX_INFLIGHT_BYTES);
+    assert_int_equal(i->bounds.max_slots_per_uid, 2048);
+    assert_true(i->has_bounds);
+    assert_int_equal(i->bounds.max_connections, 100);
+    assert_int_equal(i->bounds.max_connections_per_uid, 8);
+    assert_int_equal(i->bounds.max_inflight_bytes_per_uid, 3ull << 30);
+    assert_int_equal(i->bounds.max_inflight_bytes_total, 6ull << 30);
+    assert_int_equal(i->bounds.output_hard_limit, 1u << 30);
+    assert_int_equal(i->bounds.output_soft_limit, 1u << 29);
+    assert_int_equal(i->bounds.output_soft_seconds, 10);
+    assert_int_equal(i->bounds.max_output_bytes_per_uid, 2ull << 30);
+    assert_int_equal(i->bounds.max_output_bytes_total, 4ull << 30);
+    assert_int_equal(i->bounds.max_region_bytes_per_connection, 5ull << 30);
+    assert_int_equal(i->bounds.max_region_bytes_per_uid, 7ull << 30);
+    assert_int_equal(i->bounds.frame_stall_seconds, 30);
+    assert_int_equal(i->bounds.output_stall_seconds, 31);
     assert_string_equal(kdac_client_path(c), fake_path(s));
     assert_true(kdac_client_fd(c) >= 0);
     assert_int_equal(kdac_client_events(c), KDAC_READABLE);

@@ -34,7 +34,9 @@ static const char *S; /* its socket */
 
 static int start_daemon(void **state)
 {
-    if (!kdad_start(&daemon_, H, "slots_persist: true\n"))
+    if (!kdad_start(&daemon_, H, "slots_persist: true\nclients:\n"
+                                 "  max_inflight_bytes_per_uid: 300MiB\n"
+                                 "  output_stall_seconds: 9\n"))
         return -1;
     S = daemon_.sock;
     return 0;
@@ -69,12 +71,20 @@ static void test_hello_ping_health_stats(void **state)
     expect_text(json_object_to_json_string(jget(o, "transports")), "\"inline\"");
     assert_true(jint(o, "limits.max_batch_tokens") > 0);
     expect_text(jstr(o, "server"), "kdad");
+    /* the per-uid and daemon-wide bounds, as configured */
+    assert_int_equal(jint(o, "limits.clients.max_inflight_bytes_per_uid"), 300ll << 20);
+    assert_int_equal(jint(o, "limits.clients.output_stall_seconds"), 9);
+    assert_int_equal(jint(o, "limits.clients.frame_stall_seconds"), 30); /* the default */
+    assert_true(jint(o, "limits.clients.max_inflight_bytes_total") >= 300ll << 20);
+    assert_int_equal(jint(o, "limits.max_slots_per_uid"), 64);
     json_object_put(o);
 
     cmd_result r = kdactl(S, "hello", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "backend     cpu");
     expect_text(r.out, "4 heads x 128, 64 slots");
+    expect_text(r.out, "300.0 MiB of requests in flight");
+    expect_text(r.out, "9 s without one of the output taken");
     cmd_free(&r);
 
     r = kdactl(S, "ping", "--count", "3", NULL);
@@ -114,11 +124,23 @@ static void test_hello_ping_health_stats(void **state)
     assert_int_equal(jint(o, "batches_gathered"), 0); /* the cpu backend has no waves */
     jget(o, "latency_us.p99");
     jget(o, "transport_bytes.shm.in");
+    /* this connection, and its stats request in flight */
+    assert_int_equal(jint(o, "uid.uid"), (int64_t)getuid());
+    assert_int_equal(jint(o, "uid.connections"), 1);
+    assert_true(jint(o, "uid.held.inflight_bytes") > 0);
+    assert_int_equal(jint(o, "uid.held.partial_bytes"), 0);
+    assert_true(jint(o, "clients.held.inflight_bytes") >= jint(o, "uid.held.inflight_bytes"));
+    assert_true(jint(o, "clients.peak.output_bytes") > 0); /* the answers above */
+    assert_int_equal(jint(o, "clients.stalled"), 0);
+    assert_int_equal(jint(o, "clients.refused"), 0);
+    assert_int_equal(jint(o, "clients.bounds.max_inflight_bytes_per_uid"), 300ll << 20);
     json_object_put(o);
     r = kdactl(S, "stats", NULL);
     expect_exit(&r, 0);
     expect_text(r.out, "kdad statistics");
     expect_text(r.out, "64 slots");
+    expect_text(r.out, "of 300.0 MiB in flight (0 B arriving)");
+    expect_text(r.out, "0 stalled, 0 refused");
     cmd_free(&r);
 }
 

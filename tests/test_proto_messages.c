@@ -47,6 +47,23 @@ static void test_hello_round_trip(void **state)
     wire_close(&x);
 }
 
+static void assert_bounds_equal(const kp_client_bounds *a, const kp_client_bounds *b)
+{
+    assert_int_equal(a->max_connections, b->max_connections);
+    assert_int_equal(a->max_connections_per_uid, b->max_connections_per_uid);
+    assert_int_equal(a->max_inflight_bytes_per_uid, b->max_inflight_bytes_per_uid);
+    assert_int_equal(a->max_inflight_bytes_total, b->max_inflight_bytes_total);
+    assert_int_equal(a->output_hard_limit, b->output_hard_limit);
+    assert_int_equal(a->output_soft_limit, b->output_soft_limit);
+    assert_int_equal(a->output_soft_seconds, b->output_soft_seconds);
+    assert_int_equal(a->max_output_bytes_per_uid, b->max_output_bytes_per_uid);
+    assert_int_equal(a->max_output_bytes_total, b->max_output_bytes_total);
+    assert_int_equal(a->max_region_bytes_per_connection, b->max_region_bytes_per_connection);
+    assert_int_equal(a->max_region_bytes_per_uid, b->max_region_bytes_per_uid);
+    assert_int_equal(a->frame_stall_seconds, b->frame_stall_seconds);
+    assert_int_equal(a->output_stall_seconds, b->output_stall_seconds);
+}
+
 static void assert_limits_equal(const kp_limits *a, const kp_limits *b)
 {
     assert_int_equal(a->max_frame_bytes, b->max_frame_bytes);
@@ -61,6 +78,21 @@ static void assert_limits_equal(const kp_limits *a, const kp_limits *b)
     assert_int_equal(a->max_layers, b->max_layers);
     assert_int_equal(a->max_layers_per_uid, b->max_layers_per_uid);
     assert_int_equal(a->max_slots_per_uid, b->max_slots_per_uid);
+    assert_int_equal(a->has_clients, b->has_clients);
+    assert_bounds_equal(&a->clients, &b->clients);
+}
+
+/* Distinct values, so that a field decoded into its neighbour shows. */
+static kp_client_bounds test_client_bounds(void)
+{
+    return (kp_client_bounds){
+        .max_connections = 1001, .max_connections_per_uid = 1002,
+        .max_inflight_bytes_per_uid = 1ull << 33, .max_inflight_bytes_total = (1ull << 34) + 1,
+        .output_hard_limit = 1003, .output_soft_limit = 1004, .output_soft_seconds = 1005,
+        .max_output_bytes_per_uid = 1006, .max_output_bytes_total = 1007,
+        .max_region_bytes_per_connection = 1008, .max_region_bytes_per_uid = 1009,
+        .frame_stall_seconds = 1010, .output_stall_seconds = 1011,
+    };
 }
 
 static void test_hello_result_round_trip(void **state)
@@ -82,6 +114,8 @@ static void test_hello_result_round_trip(void **state)
         .limits = test_session.limits,
     };
     r.limits.max_batch_tokens = 12345;
+    r.limits.has_clients = true;
+    r.limits.clients = test_client_bounds();
     wire x;
     ENC(kp_hello_result_encode(&test_writer, 1, &r, &enc_err_));
     open_result(&x, 1);
@@ -111,6 +145,28 @@ static void test_hello_result_round_trip(void **state)
     assert_int_equal(s.geometry.heads, H);
     assert_int_equal(s.limits.max_batch_tokens, 12345);
     wire_close(&x);
+
+    /* A daemon from before limits.clients: decoded, the bounds unknown. */
+    ENC(kp_hello_result_encode(&test_writer, 4, &r, &enc_err_));
+    edit e;
+    edit_begin(&e);
+    edit_del(edit_get(e.map, "limits"), "clients");
+    edit_repack(&e);
+    DEC(kp_hello_result_decode(&e.msg, &got, &dec_err_));
+    assert_false(got.limits.has_clients);
+    assert_int_equal(got.limits.clients.max_inflight_bytes_per_uid, 0);
+    assert_int_equal(got.limits.max_batch_tokens, 12345);
+    edit_end(&e);
+    /* One that drops a bound (or has not got one yet): that one 0, the rest decoded. */
+    ENC(kp_hello_result_encode(&test_writer, 4, &r, &enc_err_));
+    edit_begin(&e);
+    edit_del(edit_get(edit_get(e.map, "limits"), "clients"), "output_soft_seconds");
+    edit_repack(&e);
+    DEC(kp_hello_result_decode(&e.msg, &got, &dec_err_));
+    assert_true(got.limits.has_clients);
+    assert_int_equal(got.limits.clients.output_soft_seconds, 0);
+    assert_int_equal(got.limits.clients.output_stall_seconds, 1011);
+    edit_end(&e);
 
     /* A daemon that does not know its GPU's bus id leaves the field out: still a GPU. */
     r.gpu.pci_bus_id = NULL;
@@ -192,6 +248,9 @@ static void test_health_stats_round_trip(void **state)
         .has_uid = true, .uid = 1000, .uid_layers = 1, .uid_slots = 7, .regions = 3,
         .rings = 4, .ring_doorbells = 99, .errors = errors, .nerrors = 2, .disconnects = disconnects, .ndisconnects = 1,
         .bytes_in = {100, 200, 300}, .bytes_out = {400, 500, 600},
+        .has_uid_held = true, .uid_connections = 3, .uid_held = {11, 12, 13, 14},
+        .has_clients = true, .held = {21, 22, 23, 24}, .held_peak = {31, 32, 33, 34},
+        .stalled = 5, .refused = 6, .bounds = test_client_bounds(),
     };
     ENC(kp_stats_result_encode(&test_writer, 6, &s, &enc_err_));
     open_result(&x, 6);
@@ -225,6 +284,15 @@ static void test_health_stats_round_trip(void **state)
     assert_int_equal(g.regions, 3);
     assert_int_equal(g.rings, 4);
     assert_int_equal(g.ring_doorbells, 99);
+    assert_true(g.has_uid_held);
+    assert_int_equal(g.uid_connections, 3);
+    assert_memory_equal(&g.uid_held, &s.uid_held, sizeof(s.uid_held));
+    assert_true(g.has_clients);
+    assert_memory_equal(&g.held, &s.held, sizeof(s.held));
+    assert_memory_equal(&g.held_peak, &s.held_peak, sizeof(s.held_peak));
+    assert_int_equal(g.stalled, 5);
+    assert_int_equal(g.refused, 6);
+    assert_bounds_equal(&g.bounds, &s.bounds);
     assert_int_equal(g.nerrors, 2);
     assert_string_equal(g.errors[1].name, "POOL_FULL");
     assert_int_equal(g.errors[1].value, 1);
@@ -246,8 +314,17 @@ static void test_health_stats_round_trip(void **state)
     edit_del(e.map, "batches_gathered");
     edit_del(e.map, "rings");
     edit_del(e.map, "ring_doorbells");
+    edit_del(e.map, "clients");
+    edit_del(edit_get(e.map, "uid"), "connections");
+    edit_del(edit_get(e.map, "uid"), "held");
     edit_repack(&e);
     DEC(kp_stats_result_decode(&e.msg, &g, &dec_err_));
+    assert_false(g.has_clients);
+    assert_int_equal(g.held.inflight_bytes, 0);
+    assert_true(g.has_uid);
+    assert_int_equal(g.uid_slots, 7);
+    assert_false(g.has_uid_held);
+    assert_int_equal(g.uid_connections, 0);
     assert_int_equal(g.batches, 5);
     assert_int_equal(g.batches_held, 0);
     assert_int_equal(g.batches_gathered, 0);

@@ -309,6 +309,30 @@ typedef struct kdac_limits {
     uint32_t max_layers;             /* layers in the daemon */
 } kdac_limits;
 
+/*
+ * The bounds on what one connection, one uid and all clients together may
+ * make the daemon hold (docs/daemon.md, "What a client can make kdad hold"),
+ * named as the daemon's configuration keys (clients.*, limits.*_per_uid).
+ * A field is 0 when the daemon did not send it (an older daemon).
+ */
+typedef struct kdac_bounds {
+    uint32_t max_layers_per_uid;              /* client layers of one uid */
+    uint32_t max_slots_per_uid;               /* slots of one uid, all its owners */
+    uint32_t max_connections;                 /* connections open, all uids */
+    uint32_t max_connections_per_uid;
+    uint64_t max_inflight_bytes_per_uid;      /* unanswered request bytes, frames arriving too */
+    uint64_t max_inflight_bytes_total;        /* the same, all uids */
+    uint64_t output_hard_limit;               /* unread response bytes of one connection */
+    uint64_t output_soft_limit;               /* ... tolerated output_soft_seconds */
+    uint64_t max_output_bytes_per_uid;        /* unread response bytes of one uid */
+    uint64_t max_output_bytes_total;          /* the same, all uids */
+    uint64_t max_region_bytes_per_connection; /* mapped region bytes */
+    uint64_t max_region_bytes_per_uid;
+    uint32_t output_soft_seconds;
+    uint32_t frame_stall_seconds;             /* a frame begun and no byte since: closed */
+    uint32_t output_stall_seconds;            /* unread output and no byte taken since: closed */
+} kdac_bounds;
+
 /* What hello told: the daemon, its geometry and its limits. */
 typedef struct kdac_server_info {
     uint32_t version;                  /* protocol version in use */
@@ -332,6 +356,12 @@ typedef struct kdac_server_info {
     bool gpu_mps;                      /* the daemon's GPU context is shared through CUDA MPS,
                                           so its kernels and a client's run side by side
                                           (docs/daemon.md, "Sharing the GPU: MPS") */
+    /* The per-uid and daemon-wide bounds in force at hello (a reload may change
+     * them: kdac_stats_usage reports those in force).  has_bounds: the daemon
+     * sent the clients.* ones (max_*_per_uid of layers and slots may come
+     * without them). */
+    bool has_bounds;
+    kdac_bounds bounds;
 } kdac_server_info;
 
 /* The hello result of this connection; valid until kdac_client_close. */
@@ -771,6 +801,41 @@ typedef struct kdac_stats_info {
 } kdac_stats_info;
 
 KDAC_EXPORT int kdac_stats(kdac_client *c, kdac_stats_info *res, kdac_error *err);
+
+/* Bytes clients make the daemon hold, by kind. */
+typedef struct kdac_held {
+    uint64_t inflight_bytes; /* request frames not answered yet, those still arriving too */
+    uint64_t partial_bytes;  /* of which frames still arriving */
+    uint64_t output_bytes;   /* responses not read yet */
+    uint64_t region_bytes;   /* regions mapped */
+} kdac_held;
+
+/* What the caller's uid and all clients make the daemon hold, against the
+ * bounds (a stats answer, kdac_stats_usage). */
+typedef struct kdac_usage_info {
+    bool has_uid;             /* uid, layers, slots (false from daemons before them) */
+    uint32_t uid;             /* the caller's uid, as the daemon sees it */
+    uint32_t layers, slots;   /* held by the uid, against bounds.max_*_per_uid */
+    bool has_uid_held;        /* connections and held (false from daemons before them) */
+    uint32_t connections;     /* the uid's open connections */
+    kdac_held held;           /* what the uid holds, this stats request's bytes among them */
+    bool has_clients;         /* the fields below (false from daemons before them) */
+    kdac_held total;          /* what all clients hold */
+    kdac_held peak;           /* the most all clients held since the daemon started */
+    uint64_t stalled;         /* connections closed for a stalled frame or output */
+    uint64_t refused;         /* connections refused: max_connections or a per-uid quota */
+    kdac_bounds bounds;       /* the bounds in force (max_*_per_uid of layers and slots: as
+                                 hello told) */
+} kdac_usage_info;
+
+/*
+ * kdac_stats, and the usage against the bounds in usage.  res or usage may be
+ * NULL (not filled).  usage_size is sizeof(kdac_usage_info) as the caller
+ * compiled it: the library writes no further, so that the struct may grow.
+ * Errors: those of kdac_stats; INVALID_ARGUMENT when both are NULL.
+ */
+KDAC_EXPORT int kdac_stats_usage(kdac_client *c, kdac_stats_info *res, kdac_usage_info *usage,
+                                 size_t usage_size, kdac_error *err);
 
 /*
  * The same counters in the Prometheus text exposition format (0.0.4), as the

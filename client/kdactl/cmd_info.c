@@ -52,6 +52,55 @@ static json_object *limits_json(const kdac_limits *l)
     return o;
 }
 
+/* The clients.* bounds, named as the daemon's configuration keys. */
+static json_object *client_bounds_json(const kdac_bounds *b)
+{
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "max_connections", json_u64(b->max_connections));
+    json_object_object_add(o, "max_connections_per_uid", json_u64(b->max_connections_per_uid));
+    json_object_object_add(o, "max_inflight_bytes_per_uid",
+                           json_u64(b->max_inflight_bytes_per_uid));
+    json_object_object_add(o, "max_inflight_bytes_total", json_u64(b->max_inflight_bytes_total));
+    json_object_object_add(o, "output_hard_limit", json_u64(b->output_hard_limit));
+    json_object_object_add(o, "output_soft_limit", json_u64(b->output_soft_limit));
+    json_object_object_add(o, "output_soft_seconds", json_u64(b->output_soft_seconds));
+    json_object_object_add(o, "max_output_bytes_per_uid", json_u64(b->max_output_bytes_per_uid));
+    json_object_object_add(o, "max_output_bytes_total", json_u64(b->max_output_bytes_total));
+    json_object_object_add(o, "max_region_bytes_per_connection",
+                           json_u64(b->max_region_bytes_per_connection));
+    json_object_object_add(o, "max_region_bytes_per_uid", json_u64(b->max_region_bytes_per_uid));
+    json_object_object_add(o, "frame_stall_seconds", json_u64(b->frame_stall_seconds));
+    json_object_object_add(o, "output_stall_seconds", json_u64(b->output_stall_seconds));
+    return o;
+}
+
+/* A byte count for text output ("48.0 MiB"). */
+static const char *bytes_text(uint64_t v, char *buf, size_t size)
+{
+    format_bytes((double)v, buf, size);
+    return buf;
+}
+
+/* The per-uid and daemon-wide bounds, as hello prints them. */
+static void bounds_text(const kdac_bounds *b)
+{
+    char a[32], o[32], r[32], s[32];
+    printf("  per uid     %u connections, %s of requests in flight, %s of unread output, "
+           "%s of regions\n", b->max_connections_per_uid,
+           bytes_text(b->max_inflight_bytes_per_uid, a, sizeof(a)),
+           bytes_text(b->max_output_bytes_per_uid, o, sizeof(o)),
+           bytes_text(b->max_region_bytes_per_uid, r, sizeof(r)));
+    printf("  all uids    %u connections, %s of requests in flight, %s of unread output\n",
+           b->max_connections, bytes_text(b->max_inflight_bytes_total, a, sizeof(a)),
+           bytes_text(b->max_output_bytes_total, o, sizeof(o)));
+    printf("  per client  %s of unread output (%s for %u s), %s of regions\n",
+           bytes_text(b->output_hard_limit, o, sizeof(o)),
+           bytes_text(b->output_soft_limit, s, sizeof(s)), b->output_soft_seconds,
+           bytes_text(b->max_region_bytes_per_connection, r, sizeof(r)));
+    printf("  stalls      closed after %u s without a byte of a frame begun, %u s without "
+           "one of the output taken\n", b->frame_stall_seconds, b->output_stall_seconds);
+}
+
 static void hello_json(const kdac_client *c)
 {
     const kdac_server_info *i = kdac_client_info(c);
@@ -87,7 +136,14 @@ static void hello_json(const kdac_client *c)
     for (uint32_t k = 0; k < i->nfeatures; k++)
         json_object_array_add(f, json_object_new_string(i->features[k]));
     json_object_object_add(o, "features", f);
-    json_object_object_add(o, "limits", limits_json(&i->limits));
+    json_object *l = limits_json(&i->limits);
+    if (i->bounds.max_layers_per_uid)
+        json_object_object_add(l, "max_layers_per_uid", json_u64(i->bounds.max_layers_per_uid));
+    if (i->bounds.max_slots_per_uid)
+        json_object_object_add(l, "max_slots_per_uid", json_u64(i->bounds.max_slots_per_uid));
+    if (i->has_bounds)
+        json_object_object_add(l, "clients", client_bounds_json(&i->bounds));
+    json_object_object_add(o, "limits", l);
     ctl_print_json(o);
 }
 
@@ -123,6 +179,11 @@ static void hello_text(const kdac_client *c)
     printf("              %u slots and %u regions per client, %u requests / %llu B in flight, "
            "%u layers\n", l->max_slots_per_client, l->max_regions_per_client,
            l->max_inflight_requests, (unsigned long long)l->max_inflight_bytes, l->max_layers);
+    if (i->bounds.max_layers_per_uid || i->bounds.max_slots_per_uid)
+        printf("              %u layers and %u slots per uid\n", i->bounds.max_layers_per_uid,
+               i->bounds.max_slots_per_uid);
+    if (i->has_bounds)
+        bounds_text(&i->bounds);
 }
 
 int cmd_hello(ctl *g, int argc, char **argv)
@@ -288,7 +349,17 @@ static json_object *counters_json(const kdac_counter *c, uint32_t n)
     return o;
 }
 
-static void stats_json(const kdac_stats_info *s)
+static json_object *held_json(const kdac_held *h)
+{
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "inflight_bytes", json_u64(h->inflight_bytes));
+    json_object_object_add(o, "partial_bytes", json_u64(h->partial_bytes));
+    json_object_object_add(o, "output_bytes", json_u64(h->output_bytes));
+    json_object_object_add(o, "region_bytes", json_u64(h->region_bytes));
+    return o;
+}
+
+static void stats_json(const kdac_stats_info *s, const kdac_usage_info *u)
 {
     json_object *o = json_object_new_object();
     json_object_object_add(o, "uptime_us", json_u64(s->uptime_us));
@@ -349,6 +420,26 @@ static void stats_json(const kdac_stats_info *s)
         json_object_object_add(bt, "phases", ph);
         json_object_object_add(o, "batch_us", bt);
     }
+    if (u->has_uid) {
+        json_object *uid = json_object_new_object();
+        json_object_object_add(uid, "uid", json_u64(u->uid));
+        json_object_object_add(uid, "layers", json_u64(u->layers));
+        json_object_object_add(uid, "slots", json_u64(u->slots));
+        if (u->has_uid_held) {
+            json_object_object_add(uid, "connections", json_u64(u->connections));
+            json_object_object_add(uid, "held", held_json(&u->held));
+        }
+        json_object_object_add(o, "uid", uid);
+    }
+    if (u->has_clients) {
+        json_object *cl = json_object_new_object();
+        json_object_object_add(cl, "held", held_json(&u->total));
+        json_object_object_add(cl, "peak", held_json(&u->peak));
+        json_object_object_add(cl, "stalled", json_u64(u->stalled));
+        json_object_object_add(cl, "refused", json_u64(u->refused));
+        json_object_object_add(cl, "bounds", client_bounds_json(&u->bounds));
+        json_object_object_add(o, "clients", cl);
+    }
     ctl_print_json(o);
 }
 
@@ -360,7 +451,57 @@ static void print_counters(const char *title, const kdac_counter *c, uint32_t n)
     printf("%s\n", n ? "" : "none");
 }
 
-static void stats_text(const kdac_stats_info *s)
+/* What is held, against the bounds when known (0: not shown). */
+static void held_text(const char *title, const kdac_held *h, uint64_t inflight_bound,
+                      uint64_t output_bound, uint64_t region_bound)
+{
+    char a[32], p[32], o[32], r[32], b[3][40];
+    const uint64_t bound[3] = {inflight_bound, output_bound, region_bound};
+    for (int k = 0; k < 3; k++) {
+        char v[32];
+        if (bound[k])
+            snprintf(b[k], sizeof(b[k]), " of %s", bytes_text(bound[k], v, sizeof(v)));
+        else
+            b[k][0] = 0;
+    }
+    printf("  %-12s%s%s in flight (%s arriving), %s%s unread output, %s%s in regions\n", title,
+           bytes_text(h->inflight_bytes, a, sizeof(a)), b[0],
+           bytes_text(h->partial_bytes, p, sizeof(p)), bytes_text(h->output_bytes, o, sizeof(o)),
+           b[1], bytes_text(h->region_bytes, r, sizeof(r)), b[2]);
+}
+
+/* The caller's uid and all clients against the bounds. */
+static void usage_text(const kdac_usage_info *u)
+{
+    const kdac_bounds *b = &u->bounds;
+    if (u->has_uid) {
+        printf("  uid %-8u%u layers", u->uid, u->layers);
+        if (b->max_layers_per_uid)
+            printf(" of %u", b->max_layers_per_uid);
+        printf(", %u slots", u->slots);
+        if (b->max_slots_per_uid)
+            printf(" of %u", b->max_slots_per_uid);
+        if (u->has_uid_held) {
+            printf(", %u connections", u->connections);
+            if (b->max_connections_per_uid)
+                printf(" of %u", b->max_connections_per_uid);
+        }
+        printf("\n");
+        if (u->has_uid_held)
+            held_text("", &u->held, b->max_inflight_bytes_per_uid, b->max_output_bytes_per_uid,
+                      b->max_region_bytes_per_uid);
+    }
+    if (u->has_clients) {
+        held_text("all clients", &u->total, b->max_inflight_bytes_total, b->max_output_bytes_total,
+                  0);
+        held_text("  peak", &u->peak, 0, 0, 0);
+        printf("  %-12s%llu stalled, %llu refused (clients.max_connections or a per-uid "
+               "quota)\n", "closed", (unsigned long long)u->stalled,
+               (unsigned long long)u->refused);
+    }
+}
+
+static void stats_text(const kdac_stats_info *s, const kdac_usage_info *u)
 {
     printf("kdad statistics (up %.1f s)\n", s->uptime_us / 1e6);
     printf("  connections %u open, %llu since start\n", s->connections,
@@ -380,6 +521,7 @@ static void stats_text(const kdac_stats_info *s)
     printf("  registry    %u layers, %u regions\n", s->layers, s->regions);
     printf("  rings       %u connections on a frame ring, %llu doorbells rung\n", s->rings,
            (unsigned long long)s->ring_doorbells);
+    usage_text(u);
     print_counters("errors", s->errors, s->nerrors);
     print_counters("disconnects", s->disconnects, s->ndisconnects);
     static const char *const names[] = {"inline", "shm", "cuda_ipc"};
@@ -425,9 +567,10 @@ int cmd_stats(ctl *g, int argc, char **argv)
         "Usage: kdactl stats [--prometheus]\n"
         "Prints the daemon's counters since it started: connections,\n"
         "requests, prefill sequences and tokens, latency percentiles, pool\n"
-        "use, errors by name, disconnects by reason, bytes by transport, and\n"
-        "each batch's time by phase (form, stage, launch, wait, notice, unstage,\n"
-        "reply, total, device, kernel, host).\n"
+        "use, what the caller's uid and all clients make the daemon hold against\n"
+        "the bounds (clients.*), errors by name, disconnects by reason, bytes by\n"
+        "transport, and each batch's time by phase (form, stage, launch, wait,\n"
+        "notice, unstage, reply, total, device, kernel, host).\n"
         "  -p, --prometheus  the same counters in the Prometheus text format, as the\n"
         "                    daemon renders them (its metrics.prometheus_file)\n";
     static const struct option opts[] = {
@@ -455,14 +598,15 @@ int cmd_stats(ctl *g, int argc, char **argv)
     if (rc)
         return rc;
     kdac_stats_info s;
+    kdac_usage_info u;
     kdac_error err;
-    rc = kdac_stats(c, &s, &err);
+    rc = kdac_stats_usage(c, &s, &u, sizeof(u), &err);
     kdac_client_close(c);
     if (rc)
         return ctl_fail(g, "stats", &err);
     if (g->json)
-        stats_json(&s);
+        stats_json(&s, &u);
     else
-        stats_text(&s);
+        stats_text(&s, &u);
     return EXIT_OK;
 }

@@ -21,12 +21,12 @@ typedef struct command {
 
 static const command commands[] = {
     {"hello", cmd_hello, QUICK_TIMEOUT_MS,
-     "handshake: show the daemon, its backend, geometry and limits"},
+     "handshake: show the daemon, its backend, geometry, limits and bounds"},
     {"ping", cmd_ping, QUICK_TIMEOUT_MS, "round-trip a health request and show the time it took"},
     {"health", cmd_health, QUICK_TIMEOUT_MS,
      "liveness and load (ok or draining, queue, batches running)"},
     {"stats", cmd_stats, QUICK_TIMEOUT_MS,
-     "the daemon's counters: requests, tokens, latency, errors"},
+     "the daemon's counters: requests, tokens, latency, errors, held bytes"},
     {"layer", cmd_layer, 0, "list, register or drop layers (A_log, dt_bias, lower_bound, scale)"},
     {"slot", cmd_slot, 0, "alloc, free, reset, fork, save, load, info of state slots"},
     {"prefill", cmd_prefill, 0, "run a prefill from a golden-format file or random inputs"},

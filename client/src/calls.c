@@ -816,68 +816,114 @@ static uint32_t copy_counters(kdac_counter *dst, const kp_counter *src, uint32_t
     return n;
 }
 
-static int stats_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res, kp_error *err)
+static kdac_held held_from_wire(const kp_held *h)
 {
-    kp_stats_result r;
-    int rc = kp_stats_result_decode(msg, &r, err);
-    if (rc)
-        return rc;
-    kdac_stats_info *s = p->ctx.stats;
+    return (kdac_held){h->inflight_bytes, h->partial_bytes, h->output_bytes, h->region_bytes};
+}
+
+/* The usage part of a stats answer into the caller's first size bytes of *out. */
+static void copy_usage(const kdac_client *c, const kp_stats_result *r, kdac_usage_info *out,
+                       size_t size)
+{
+    kdac_usage_info u;
+    memset(&u, 0, sizeof(u));
+    u.has_uid = r->has_uid;
+    u.uid = r->uid;
+    u.layers = r->uid_layers;
+    u.slots = r->uid_slots;
+    u.has_uid_held = r->has_uid_held;
+    u.connections = r->uid_connections;
+    u.held = held_from_wire(&r->uid_held);
+    u.has_clients = r->has_clients;
+    u.total = held_from_wire(&r->held);
+    u.peak = held_from_wire(&r->held_peak);
+    u.stalled = r->stalled;
+    u.refused = r->refused;
+    kdac_bounds_from_wire(&u.bounds, &r->bounds);
+    u.bounds.max_layers_per_uid = c->info.bounds.max_layers_per_uid;
+    u.bounds.max_slots_per_uid = c->info.bounds.max_slots_per_uid;
+    memcpy(out, &u, size < sizeof(u) ? size : sizeof(u));
+}
+
+static void copy_stats(const kp_stats_result *r, kdac_stats_info *s)
+{
     memset(s, 0, sizeof(*s));
-    s->uptime_us = r.uptime_us;
-    s->connections = r.connections;
-    s->connections_total = r.connections_total;
-    s->requests = r.requests;
-    s->batches = r.batches;
-    s->batches_held = r.batches_held;
-    s->batches_gathered = r.batches_gathered;
-    s->seqs = r.seqs;
-    s->tokens = r.tokens;
-    s->latency_count = r.latency_count;
-    s->latency_p50_us = r.latency_p50_us;
-    s->latency_p90_us = r.latency_p90_us;
-    s->latency_p99_us = r.latency_p99_us;
-    s->latency_max_us = r.latency_max_us;
-    s->latency_nbounds = r.latency_nbounds; /* <= KP_HIST_MAX_BUCKETS (checked on decode) */
-    memcpy(s->latency_bounds_us, r.latency_bounds_us, r.latency_nbounds * sizeof(uint64_t));
-    memcpy(s->latency_counts, r.latency_counts, (r.latency_nbounds + 1) * sizeof(uint64_t));
-    s->slots_total = r.slots_total;
-    s->slots_used = r.slots_used;
-    s->slots_lost = r.slots_lost;
-    s->layers = r.layers;
-    s->regions = r.regions;
-    s->rings = r.rings;
-    s->ring_doorbells = r.ring_doorbells;
-    s->nerrors = copy_counters(s->errors, r.errors, r.nerrors);
-    s->ndisconnects = copy_counters(s->disconnects, r.disconnects, r.ndisconnects);
-    memcpy(s->bytes_in, r.bytes_in, sizeof(s->bytes_in));
-    memcpy(s->bytes_out, r.bytes_out, sizeof(s->bytes_out));
-    s->batch_count = r.batch_count;
-    s->batch_window = r.batch_window;
-    s->nphases = r.nphases < KDAC_STATS_MAX_PHASES ? r.nphases : KDAC_STATS_MAX_PHASES;
+    s->uptime_us = r->uptime_us;
+    s->connections = r->connections;
+    s->connections_total = r->connections_total;
+    s->requests = r->requests;
+    s->batches = r->batches;
+    s->batches_held = r->batches_held;
+    s->batches_gathered = r->batches_gathered;
+    s->seqs = r->seqs;
+    s->tokens = r->tokens;
+    s->latency_count = r->latency_count;
+    s->latency_p50_us = r->latency_p50_us;
+    s->latency_p90_us = r->latency_p90_us;
+    s->latency_p99_us = r->latency_p99_us;
+    s->latency_max_us = r->latency_max_us;
+    s->latency_nbounds = r->latency_nbounds; /* <= KP_HIST_MAX_BUCKETS (checked on decode) */
+    memcpy(s->latency_bounds_us, r->latency_bounds_us, r->latency_nbounds * sizeof(uint64_t));
+    memcpy(s->latency_counts, r->latency_counts, (r->latency_nbounds + 1) * sizeof(uint64_t));
+    s->slots_total = r->slots_total;
+    s->slots_used = r->slots_used;
+    s->slots_lost = r->slots_lost;
+    s->layers = r->layers;
+    s->regions = r->regions;
+    s->rings = r->rings;
+    s->ring_doorbells = r->ring_doorbells;
+    s->nerrors = copy_counters(s->errors, r->errors, r->nerrors);
+    s->ndisconnects = copy_counters(s->disconnects, r->disconnects, r->ndisconnects);
+    memcpy(s->bytes_in, r->bytes_in, sizeof(s->bytes_in));
+    memcpy(s->bytes_out, r->bytes_out, sizeof(s->bytes_out));
+    s->batch_count = r->batch_count;
+    s->batch_window = r->batch_window;
+    s->nphases = r->nphases < KDAC_STATS_MAX_PHASES ? r->nphases : KDAC_STATS_MAX_PHASES;
     for (uint32_t i = 0; i < s->nphases; i++) {
-        const kp_phase *ph = &r.phases[i];
+        const kp_phase *ph = &r->phases[i];
         snprintf(s->phases[i].name, sizeof(s->phases[i].name), "%s", ph->name);
         s->phases[i].p50_us = ph->p50_us;
         s->phases[i].p90_us = ph->p90_us;
         s->phases[i].p99_us = ph->p99_us;
         s->phases[i].sum_us = ph->sum_us;
     }
+}
+
+static int stats_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res, kp_error *err)
+{
+    kp_stats_result r;
+    int rc = kp_stats_result_decode(msg, &r, err);
+    if (rc)
+        return rc;
+    if (p->ctx.stats.info)
+        copy_stats(&r, p->ctx.stats.info);
+    if (p->ctx.stats.usage)
+        copy_usage(c, &r, p->ctx.stats.usage, p->ctx.stats.usage_size);
     return KP_OK;
 }
 
 int kdac_stats(kdac_client *c, kdac_stats_info *res, kdac_error *err)
 {
+    if (c && !res)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "res is NULL");
+    return kdac_stats_usage(c, res, NULL, 0, err);
+}
+
+int kdac_stats_usage(kdac_client *c, kdac_stats_info *res, kdac_usage_info *usage,
+                     size_t usage_size, kdac_error *err)
+{
     sync_call s;
     int rc = sync_begin(c, &s, err);
     if (rc)
         return rc;
-    if (!res)
-        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "res is NULL");
+    if (!res && !usage)
+        return kdac_fail(err, KDAC_E_INVALID_ARGUMENT, "res and usage are NULL");
     pending *p = start(c, KP_METHOD_STATS, sync_cb, &s, stats_decode, err);
     if (!p)
         return err ? err->code : KDAC_E_NO_MEMORY;
-    p->ctx.stats = res;
+    p->ctx.stats.info = res;
+    p->ctx.stats.usage = usage;
+    p->ctx.stats.usage_size = usage_size;
     kp_error e;
     if ((rc = finish(c, p, kp_stats_params_encode(p->w, p->id, &e), &e, err)))
         return rc;

@@ -123,6 +123,25 @@ static void copy_text(char *dst, size_t size, const char *src)
     snprintf(dst, size, "%s", src ? src : "");
 }
 
+void kdac_bounds_from_wire(kdac_bounds *out, const kp_client_bounds *b)
+{
+    *out = (kdac_bounds){
+        .max_connections = b->max_connections,
+        .max_connections_per_uid = b->max_connections_per_uid,
+        .max_inflight_bytes_per_uid = b->max_inflight_bytes_per_uid,
+        .max_inflight_bytes_total = b->max_inflight_bytes_total,
+        .output_hard_limit = b->output_hard_limit,
+        .output_soft_limit = b->output_soft_limit,
+        .max_output_bytes_per_uid = b->max_output_bytes_per_uid,
+        .max_output_bytes_total = b->max_output_bytes_total,
+        .max_region_bytes_per_connection = b->max_region_bytes_per_connection,
+        .max_region_bytes_per_uid = b->max_region_bytes_per_uid,
+        .output_soft_seconds = b->output_soft_seconds,
+        .frame_stall_seconds = b->frame_stall_seconds,
+        .output_stall_seconds = b->output_stall_seconds,
+    };
+}
+
 /* hello's result: the session for the codec and the public info. */
 static int hello_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res, kp_error *err)
 {
@@ -161,6 +180,10 @@ static int hello_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *re
                               l->max_seqs_per_request, l->max_slots_per_client,
                               l->max_regions_per_client, l->max_inflight_requests,
                               l->max_inflight_bytes,   l->max_layers};
+    i->has_bounds = l->has_clients;
+    kdac_bounds_from_wire(&i->bounds, &l->clients);
+    i->bounds.max_layers_per_uid = l->max_layers_per_uid;
+    i->bounds.max_slots_per_uid = l->max_slots_per_uid;
     kp_session_from_hello(&c->session, &r);
     return KP_OK;
 }

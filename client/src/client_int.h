@@ -76,7 +76,11 @@ struct pending {
             void *dst;            /* inline state destination, NULL with an out region */
             kp_dtype dtype;
         } read;
-        kdac_stats_info *stats;
+        struct {
+            kdac_stats_info *info;  /* NULL: not asked for */
+            kdac_usage_info *usage; /* NULL: not asked for */
+            size_t usage_size;      /* the caller's sizeof(*usage) */
+        } stats;
         char **prometheus;        /* kdac_stats_prometheus: the malloc'd text */
         struct {
             kdac_layer_info *layers;
@@ -173,5 +177,9 @@ typedef struct sync_call {
 void sync_cb(kdac_client *c, void *data, const kdac_result *res, int status);
 /* Drives the connection until s completes, or the timeout fails it. */
 int sync_wait(kdac_client *c, sync_call *s, kdac_error *err);
+
+/* The clients.* bounds of a hello or stats answer (the per-uid layers and
+ * slots, which come in hello's limits, left 0). */
+void kdac_bounds_from_wire(kdac_bounds *out, const kp_client_bounds *b);
 
 #endif /* KDAC_CLIENT_INT_H */

@@ -1,5 +1,6 @@
 """The Python API against a kdad on the CPU backend: prefill and slots, chunked continuation,
 arrays (NumPy, DLPack, shared arrays, staging), threads."""
+import os
 import threading
 import unittest
 
@@ -42,6 +43,40 @@ class ApiTest(unittest.TestCase):
         self.assertGreater(h["limits"]["max_regions_per_client"], 0)
         self.assertEqual(self.c.heads, H)
         self.assertEqual(kdaclient.__version__, kdaclient._kdaclient.LIBRARY_VERSION)
+        self.assertEqual(h["limits"]["max_slots_per_uid"], 64)
+        self.assertGreater(h["limits"]["max_layers_per_uid"], 0)
+        self.assertEqual(h["limits"]["clients"]["frame_stall_seconds"], 30)
+
+    def test_bounds(self):
+        """A daemon's clients.* bounds in hello and stats, and the usage against them."""
+        d = Daemon(heads=H, config="clients:\n  max_inflight_bytes_per_uid: 300MiB\n"
+                                   "  max_connections_per_uid: 7\n  output_stall_seconds: 9\n")
+        d.start()
+        try:
+            c = d.connect()
+            other = d.connect()
+            bounds = c.hello()["limits"]["clients"]
+            self.assertEqual(bounds["max_inflight_bytes_per_uid"], 300 << 20)
+            self.assertEqual(bounds["max_connections_per_uid"], 7)
+            self.assertEqual(bounds["output_stall_seconds"], 9)
+            self.assertGreaterEqual(bounds["max_inflight_bytes_total"], 300 << 20)
+            s, = c.alloc_slots(1)
+            c.read_slot(s)
+            st = c.stats()
+            self.assertEqual(st["uid"]["uid"], os.getuid())
+            self.assertEqual(st["uid"]["slots"], 1)
+            self.assertGreaterEqual(st["uid"]["connections"], 2)  # and a probe not yet closed
+            self.assertGreater(st["uid"]["held"]["inflight_bytes"], 0)  # the stats request
+            self.assertEqual(st["uid"]["held"]["partial_bytes"], 0)
+            # the slot's state went out as an answer: 4 heads x 128 x 128 f32
+            self.assertGreater(st["clients"]["peak"]["output_bytes"], H * 128 * 128 * 4)
+            self.assertEqual(st["clients"]["stalled"], 0)
+            self.assertEqual(st["clients"]["refused"], 0)
+            self.assertEqual(st["clients"]["bounds"], bounds)
+            other.close()
+            c.close()
+        finally:
+            d.stop()
 
     def test_register_layer_created(self):
         self.assertFalse(self.c.register_layer("L", self.A_log, self.dt_bias, -5.0))

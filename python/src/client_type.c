@@ -185,6 +185,32 @@ static const char *dtype_name(kdac_dtype d)
     return d == KDAC_DTYPE_F32 ? "f32" : "bf16";
 }
 
+/* The clients.* bounds, named as the daemon's configuration keys. */
+static PyObject *client_bounds_dict(const kdac_bounds *b)
+{
+    return Py_BuildValue(
+        "{sIsIsKsKsKsKsIsKsKsKsKsIsI}", "max_connections", b->max_connections,
+        "max_connections_per_uid", b->max_connections_per_uid, "max_inflight_bytes_per_uid",
+        (unsigned long long)b->max_inflight_bytes_per_uid, "max_inflight_bytes_total",
+        (unsigned long long)b->max_inflight_bytes_total, "output_hard_limit",
+        (unsigned long long)b->output_hard_limit, "output_soft_limit",
+        (unsigned long long)b->output_soft_limit, "output_soft_seconds", b->output_soft_seconds,
+        "max_output_bytes_per_uid", (unsigned long long)b->max_output_bytes_per_uid,
+        "max_output_bytes_total", (unsigned long long)b->max_output_bytes_total,
+        "max_region_bytes_per_connection", (unsigned long long)b->max_region_bytes_per_connection,
+        "max_region_bytes_per_uid", (unsigned long long)b->max_region_bytes_per_uid,
+        "frame_stall_seconds", b->frame_stall_seconds, "output_stall_seconds",
+        b->output_stall_seconds);
+}
+
+/* d[key] = v, consuming v; false (an exception set) on failure. */
+static bool set_new(PyObject *d, const char *key, PyObject *v)
+{
+    bool ok = v && PyDict_SetItemString(d, key, v) == 0;
+    Py_XDECREF(v);
+    return ok;
+}
+
 static PyObject *client_hello(PyObject *o, PyObject *unused)
 {
     ClientObject *self = (ClientObject *)o;
@@ -224,6 +250,15 @@ static PyObject *client_hello(PyObject *o, PyObject *unused)
         "max_layers", l->max_layers);
     if (!limits)
         goto fail;
+    /* per-uid and daemon-wide bounds: only those the daemon sent */
+    if ((i->bounds.max_layers_per_uid &&
+         !set_new(limits, "max_layers_per_uid", PyLong_FromUnsignedLong(i->bounds.max_layers_per_uid))) ||
+        (i->bounds.max_slots_per_uid &&
+         !set_new(limits, "max_slots_per_uid", PyLong_FromUnsignedLong(i->bounds.max_slots_per_uid))) ||
+        (i->has_bounds && !set_new(limits, "clients", client_bounds_dict(&i->bounds)))) {
+        Py_DECREF(limits);
+        goto fail;
+    }
     PyObject *d = Py_BuildValue(
         "{sIsssKsssNsIsisIsssNsOsNsN}", "version", i->version, "server", i->server, "instance",
         (unsigned long long)i->instance, "backend", i->backend, "gpu", gpu, "heads", i->heads,
@@ -249,6 +284,39 @@ static PyObject *counters(const kdac_counter *c, uint32_t n)
     return d;
 }
 
+static PyObject *held_dict(const kdac_held *h)
+{
+    return Py_BuildValue("{sKsKsKsK}", "inflight_bytes", (unsigned long long)h->inflight_bytes,
+                         "partial_bytes", (unsigned long long)h->partial_bytes, "output_bytes",
+                         (unsigned long long)h->output_bytes, "region_bytes",
+                         (unsigned long long)h->region_bytes);
+}
+
+/* stats' "uid" and "clients", when the daemon reports them. */
+static bool add_usage(PyObject *d, const kdac_usage_info *u)
+{
+    if (u->has_uid) {
+        PyObject *uid = Py_BuildValue("{sIsIsI}", "uid", u->uid, "layers", u->layers, "slots",
+                                      u->slots);
+        if (uid && u->has_uid_held &&
+            (!set_new(uid, "connections", PyLong_FromUnsignedLong(u->connections)) ||
+             !set_new(uid, "held", held_dict(&u->held))))
+            Py_CLEAR(uid);
+        if (!set_new(d, "uid", uid))
+            return false;
+    }
+    if (u->has_clients) {
+        PyObject *cl = Py_BuildValue("{sNsNsKsKsN}", "held", held_dict(&u->total), "peak",
+                                     held_dict(&u->peak), "stalled",
+                                     (unsigned long long)u->stalled, "refused",
+                                     (unsigned long long)u->refused, "bounds",
+                                     client_bounds_dict(&u->bounds));
+        if (!set_new(d, "clients", cl))
+            return false;
+    }
+    return true;
+}
+
 static PyObject *client_stats(PyObject *o, PyObject *unused)
 {
     ClientObject *self = (ClientObject *)o;
@@ -257,10 +325,11 @@ static PyObject *client_stats(PyObject *o, PyObject *unused)
     kdac_stats_info *s = PyMem_Malloc(sizeof(*s));
     if (!s)
         return PyErr_NoMemory();
+    kdac_usage_info u;
     kdac_error err;
     int rc;
     kp_lock(self);
-    KP_NOGIL(rc = kdac_stats(self->c, s, &err));
+    KP_NOGIL(rc = kdac_stats_usage(self->c, s, &u, sizeof(u), &err));
     kp_unlock(self);
     if (rc != 0) {
         PyMem_Free(s);
@@ -300,6 +369,8 @@ static PyObject *client_stats(PyObject *o, PyObject *unused)
         "transport_bytes", tb, "batch_us", "count", (unsigned long long)s->batch_count, "window",
         s->batch_window, "phases", phases);
     PyMem_Free(s);
+    if (d && !add_usage(d, &u))
+        Py_CLEAR(d);
     return d;
 }
 
@@ -994,12 +1065,16 @@ static PyMethodDef client_methods[] = {
      " gpu (name, uuid, index; None on the CPU backend), heads, head_dim, slots, state_dtype "
      "('f32' or 'bf16'), transports, slots_persist, features, limits (max_inline_bytes, "
      "max_batch_tokens, max_seqs_per_request, max_slots_per_client, max_regions_per_client, "
-     "...)."},
+     "..., max_layers_per_uid and max_slots_per_uid, and clients: the daemon's clients.* "
+     "bounds, per uid and daemon-wide; each only when the daemon sends it)."},
     {"stats", client_stats, METH_NOARGS,
      "stats($self)\n--\n\n"
      "Returns dict. The daemon's counters since it started (all connections): requests, "
      "batches, seqs, tokens, latency_us, pool, errors, disconnects, transport_bytes "
-     "({inline|shm|cuda_ipc: {in, out}}), batch_us."},
+     "({inline|shm|cuda_ipc: {in, out}}), batch_us; when the daemon reports them, uid (the "
+     "caller's uid: uid, layers, slots, connections, held) and clients (held, peak, stalled, "
+     "refused, bounds), held being {inflight_bytes, partial_bytes, output_bytes, "
+     "region_bytes}."},
     {"health", client_health, METH_NOARGS,
      "health($self)\n--\n\n"
      "Returns dict. status ('ok' or 'draining'), uptime_us, queued, running."},

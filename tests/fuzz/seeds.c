@@ -203,6 +203,10 @@ int main(int argc, char **argv)
                           .transports = KP_TRANSPORT_INLINE | KP_TRANSPORT_SHM | KP_TRANSPORT_CUDA_IPC,
                           .features = features, .nfeatures = 1};
     kp_limits_default(&hr.limits);
+    hr.limits.has_clients = true;
+    hr.limits.clients = (kp_client_bounds){.max_connections = 1024,
+                                           .max_inflight_bytes_per_uid = 1ull << 32,
+                                           .frame_stall_seconds = 30};
     take(dir, &w, kp_hello_result_encode(&w, 1, &hr, &e), &e);
     kp_health_result health;
     memset(&health, 0, sizeof(health));
@@ -225,6 +229,11 @@ int main(int argc, char **argv)
     stats.batch_window = 4;
     stats.phases = phases;
     stats.nphases = 1;
+    stats.has_uid = stats.has_uid_held = stats.has_clients = true;
+    stats.uid_held = (kp_held){10, 4, 0, 4096};
+    stats.held = (kp_held){20, 8, 1, 8192};
+    stats.stalled = 1;
+    stats.bounds = hr.limits.clients;
     take(dir, &w, kp_stats_result_encode(&w, 3, &stats, &e), &e);
     kp_layer_register_result created = {true};
     take(dir, &w, kp_layer_register_result_encode(&w, 4, &created, &e), &e);
