@@ -1399,6 +1399,125 @@ static void test_config_layers_and_reload(void **unused)
     dh_stop(&d);
 }
 
+/* Waits until kdad's log holds needle n times (the log keeps every reload's lines). */
+static void wait_log(const dh_daemon *d, const char *needle, int n)
+{
+    for (int tries = 0; tries < 250; tries++) {
+        char *log = dh_log(d);
+        int seen = 0;
+        for (const char *p = log; (p = strstr(p, needle)); p++)
+            seen++;
+        free(log);
+        if (seen >= n)
+            return;
+        usleep(20000);
+    }
+    fail_msg("kdad's log never said %d time(s): %s", n, needle);
+}
+
+/* The limits a connection that says hello now is given. */
+static kp_limits hello_limits(const dh_daemon *d)
+{
+    dh_client c;
+    dh_connect(&c, d);
+    dh_hello(&c);
+    kp_limits l = c.session.limits;
+    dh_close(&c);
+    return l;
+}
+
+/* A prefill of n inline sequences on fresh slots; checks every position. */
+static void prefill_wide(dh_client *c, uint32_t n, const dh_seq *s)
+{
+    kp_prefill_seq q[8];
+    assert_true(n <= 8);
+    for (uint32_t i = 0; i < n; i++) {
+        q[i] = inline_seq(dh_alloc(c), s);
+        q[i].fresh = true;
+    }
+    kp_prefill_params p = {.layer = "L", .seqs = q, .nseqs = n};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_prefill_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_prefill_result res;
+    kp_error e;
+    if (kp_prefill_result_decode(&c->msg, &c->session, &p, &res, &e) != KP_OK)
+        fail_msg("%s", e.message);
+    assert_int_equal(res.nseqs, n);
+    for (uint32_t i = 0; i < n; i++)
+        assert_int_equal(res.seqs[i].pos, s->len);
+}
+
+/*
+ * The backends size their launch buffers at start: the cuda backend's
+ * descriptor and step tables and graph buckets from max_batch_seqs, its
+ * staging buffers from max_inline_bytes.  A reload may lower max_batch_seqs
+ * and raise it back, never above its start value (the whole reload is
+ * refused); max_inline_bytes waits for a restart.  A request admitted under
+ * the larger limits still runs after they were lowered.
+ */
+static void test_reload_batch_sizes(void **unused)
+{
+    (void)unused;
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    dh_seq s;
+    test_rng r;
+    rng_seed(&r, 11);
+    dh_layer_make(&l, &r);
+    dh_seq_make(&s, &r, 33);
+    static const char fmt[] = "%slimits:\n  max_batch_seqs: %u\n  max_seqs_per_request: %u\n"
+                              "  max_inline_bytes: %u\n";
+    const uint32_t inline_start = KP_DEFAULT_MAX_INLINE_BYTES;
+    char yaml[1024];
+    snprintf(yaml, sizeof(yaml), fmt, base_yaml, 8, 8, inline_start);
+    dh_start_or_skip(&d, yaml);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    assert_int_equal(c.session.limits.max_batch_seqs, 8);
+    dh_register_layer(&c, "L", &l);
+
+    /* lowered: new connections get 4; this one keeps its 8, and a batch of 8 still runs */
+    snprintf(yaml, sizeof(yaml), fmt, base_yaml, 4, 4, inline_start);
+    dh_write_config(&d, yaml);
+    kill(d.pid, SIGHUP);
+    wait_log(&d, "reloaded:", 1);
+    assert_int_equal(hello_limits(&d).max_batch_seqs, 4);
+    prefill_wide(&c, 8, &s);
+
+    /* raised above the start value: refused as a whole, 4 stays in force */
+    snprintf(yaml, sizeof(yaml), fmt, base_yaml, 16, 16, inline_start);
+    dh_write_config(&d, yaml);
+    kill(d.pid, SIGHUP);
+    wait_log(&d, "reload failed, the configuration in force stays: limits.max_batch_seqs: 16 "
+                 "is above 8, the value at start (the launch buffers are sized for it); "
+                 "restart to raise it", 1);
+    kp_limits now = hello_limits(&d);
+    assert_int_equal(now.max_batch_seqs, 4);
+    assert_int_equal(now.max_seqs_per_request, 4);
+
+    /* back up to the start value, and a restart-only key changed: it keeps its value */
+    snprintf(yaml, sizeof(yaml), fmt, base_yaml, 8, 8, 1u << 20);
+    dh_write_config(&d, yaml);
+    kill(d.pid, SIGHUP);
+    wait_log(&d, "reloaded:", 2);
+    wait_log(&d, "reload: limits.max_inline_bytes changed; it takes effect at the next restart", 1);
+    now = hello_limits(&d);
+    assert_int_equal(now.max_batch_seqs, 8);
+    assert_int_equal(now.max_inline_bytes, inline_start);
+    dh_client c2;
+    dh_connect(&c2, &d);
+    dh_hello(&c2);
+    prefill_wide(&c2, 8, &s); /* the uid's layer */
+
+    dh_close(&c2);
+    dh_close(&c);
+    dh_seq_free(&s);
+    dh_stop(&d);
+}
+
 /* Runs kdad with args; returns its exit code, with stdout+stderr in out. */
 static int run_kdad(char *out, size_t size, char *const args[])
 {
@@ -1608,6 +1727,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sigterm_drains, dh_teardown),
         cmocka_unit_test_teardown(test_sigterm_at_first_accept, dh_teardown),
         cmocka_unit_test_teardown(test_config_layers_and_reload, dh_teardown),
+        cmocka_unit_test_teardown(test_reload_batch_sizes, dh_teardown),
         cmocka_unit_test_teardown(test_check_config_cli, dh_teardown),
         cmocka_unit_test_teardown(test_metrics_file, dh_teardown),
         cmocka_unit_test_teardown(test_systemd_activation_and_notify, dh_teardown),
