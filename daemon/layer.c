@@ -24,13 +24,81 @@ bool kd_layer_visible(const kd_layer *l, uint32_t uid)
     return l->source == KP_LAYER_SOURCE_CONFIG || l->uid == uid;
 }
 
-kd_layer *kd_layers_find(const kd_layers *ls, const char *name, uint32_t uid)
+/*
+ * The table's key: the namespace (a uid's, or the configuration's, apart
+ * from every uid's) and the name.  FNV-1a over the name, the namespace mixed
+ * in, then a finalizer so that the low bits, which pick the bucket, depend
+ * on all of it.  Names chosen to collide cost at worst a walk of one bucket,
+ * the scan of every layer that this table replaced (limits.max_layers).
+ */
+#define CONFIG_SPACE (UINT64_C(1) << 32) /* no uid's */
+
+static uint64_t name_hash(const char *name)
 {
-    for (uint32_t i = 0; i < ls->n; i++) {
-        if (kd_layer_visible(ls->v[i], uid) && strcmp(ls->v[i]->name, name) == 0)
-            return ls->v[i];
+    uint64_t h = UINT64_C(14695981039346656037);
+    for (const unsigned char *p = (const unsigned char *)name; *p; p++)
+        h = (h ^ *p) * UINT64_C(1099511628211);
+    return h;
+}
+
+static uint64_t key_hash(uint64_t name_h, uint64_t space)
+{
+    uint64_t h = name_h ^ (space * UINT64_C(0x9e3779b97f4a7c15));
+    h ^= h >> 33;
+    h *= UINT64_C(0xff51afd7ed558ccd);
+    h ^= h >> 33;
+    return h;
+}
+
+static uint64_t space_of(const kd_layer *l)
+{
+    return l->source == KP_LAYER_SOURCE_CONFIG ? CONFIG_SPACE : l->uid;
+}
+
+static kd_layer *lookup(const kd_layers *ls, const char *name, uint64_t name_h, uint64_t space)
+{
+    if (ls->nbuckets == 0)
+        return NULL;
+    uint64_t h = key_hash(name_h, space);
+    for (kd_layer *l = ls->buckets[h & (ls->nbuckets - 1)]; l; l = l->next) {
+        if (l->hash == h && space_of(l) == space && strcmp(l->name, name) == 0)
+            return l;
     }
     return NULL;
+}
+
+/* The configuration's names are every uid's: no uid's layer shares one
+ * (kd_layers_sync_config removes them, kd_layers_register finds it first). */
+kd_layer *kd_layers_find(const kd_layers *ls, const char *name, uint32_t uid)
+{
+    uint64_t name_h = name_hash(name);
+    kd_layer *l = lookup(ls, name, name_h, CONFIG_SPACE);
+    return l ? l : lookup(ls, name, name_h, uid);
+}
+
+static void link_layer(kd_layers *ls, kd_layer *l)
+{
+    kd_layer **head = &ls->buckets[l->hash & (ls->nbuckets - 1)];
+    l->next = *head;
+    *head = l;
+}
+
+/* Room in the table for one more layer: false without memory for a first
+ * one (a table that cannot grow keeps working, with longer buckets). */
+static bool reserve_bucket(kd_layers *ls)
+{
+    if (ls->n < ls->nbuckets)
+        return true;
+    uint32_t nb = ls->nbuckets ? 2 * ls->nbuckets : 64;
+    kd_layer **b = calloc(nb, sizeof(*b));
+    if (!b)
+        return ls->nbuckets != 0;
+    free(ls->buckets);
+    ls->buckets = b;
+    ls->nbuckets = nb;
+    for (uint32_t i = 0; i < ls->n; i++)
+        link_layer(ls, ls->v[i]);
+    return true;
 }
 
 uint32_t kd_layers_of_uid(const kd_layers *ls, uint32_t uid)
@@ -76,7 +144,12 @@ int kd_layers_acquire(kd_layers *ls, const char *name, uint32_t uid, kd_layer **
 static void unregister(kd_layers *ls, uint32_t i)
 {
     kd_layer *l = ls->v[i];
+    kd_layer **p = &ls->buckets[l->hash & (ls->nbuckets - 1)];
+    while (*p != l)
+        p = &(*p)->next;
+    *p = l->next;
     ls->v[i] = ls->v[--ls->n];
+    ls->v[i]->index = i;
     kd_layer_unref(ls, l);
 }
 
@@ -85,8 +158,10 @@ void kd_layers_destroy(kd_layers *ls)
     while (ls->n)
         unregister(ls, ls->n - 1);
     free(ls->v);
+    free(ls->buckets);
     ls->v = NULL;
-    ls->cap = 0;
+    ls->buckets = NULL;
+    ls->cap = ls->nbuckets = 0;
 }
 
 static bool same_content(const kd_layer *l, const void *A_log, const void *dt_bias, float lb,
@@ -120,6 +195,8 @@ static int add_layer(kd_layers *ls, const char *name, const void *A_log, const v
         ls->v = v;
         ls->cap = cap;
     }
+    if (!reserve_bucket(ls))
+        return kp_fail(err, KP_E_NO_MEMORY, "no memory for the layer table");
     kd_layer *l = calloc(1, sizeof(*l));
     if (!l)
         return kp_fail(err, KP_E_NO_MEMORY, "no memory for layer \"%s\"", name);
@@ -145,7 +222,10 @@ static int add_layer(kd_layers *ls, const char *name, const void *A_log, const v
     }
     l->refs = 1;
     l->regs = 1;
+    l->index = ls->n;
+    l->hash = key_hash(name_hash(l->name), space_of(l));
     ls->v[ls->n++] = l;
+    link_layer(ls, l);
     return KP_OK;
 }
 
@@ -186,22 +266,19 @@ int kd_layers_register(kd_layers *ls, const char *name, const void *A_log, const
 int kd_layers_drop(kd_layers *ls, const char *name, uint32_t uid, kp_layer_drop_result *out,
                    kp_error *err)
 {
-    for (uint32_t i = 0; i < ls->n; i++) {
-        kd_layer *l = ls->v[i];
-        if (!kd_layer_visible(l, uid) || strcmp(l->name, name) != 0)
-            continue;
-        if (l->source == KP_LAYER_SOURCE_CONFIG)
-            return kp_fail(err, KP_E_PERMISSION_DENIED, "name: layer \"%s\" comes from the "
-                           "daemon's configuration", name);
-        l->regs--;
-        *out = (kp_layer_drop_result){.known = true, .removed = l->regs == 0,
-                                      .registrations = l->regs, .in_use = l->refs - 1};
-        if (out->removed)
-            unregister(ls, i);
-        return KP_OK;
-    }
-    return kp_fail(err, KP_E_UNKNOWN_LAYER, "name: uid %u has no layer \"%s\"", (unsigned)uid,
-                   name);
+    kd_layer *l = kd_layers_find(ls, name, uid);
+    if (!l)
+        return kp_fail(err, KP_E_UNKNOWN_LAYER, "name: uid %u has no layer \"%s\"",
+                       (unsigned)uid, name);
+    if (l->source == KP_LAYER_SOURCE_CONFIG)
+        return kp_fail(err, KP_E_PERMISSION_DENIED, "name: layer \"%s\" comes from the "
+                       "daemon's configuration", name);
+    l->regs--;
+    *out = (kp_layer_drop_result){.known = true, .removed = l->regs == 0,
+                                  .registrations = l->regs, .in_use = l->refs - 1};
+    if (out->removed)
+        unregister(ls, l->index);
+    return KP_OK;
 }
 
 /* ---------------------------------------------------------------------- */

@@ -45,11 +45,19 @@ typedef struct kd_layer {
     const kda_layer *dev;    /* what the backend's kernel reads (kd_batch_seq.layer) */
     void *dev_handle;
     uint32_t refs;           /* 1 while registered, +1 per admitted request */
+    /* while named: */
+    uint32_t index;          /* its place in kd_layers.v */
+    uint64_t hash;           /* of its name and namespace (layer.c) */
+    struct kd_layer *next;   /* the next in its bucket of kd_layers.buckets */
 } kd_layer;
 
 typedef struct kd_layers {
-    kd_layer **v;            /* named layers: the configuration's and every uid's */
+    kd_layer **v;            /* named layers: the configuration's and every uid's, unordered */
     uint32_t n, cap;
+    /* the same layers by namespace (the configuration's, or a uid's) and name: a
+     * request's name is resolved in one or two probes however many there are */
+    kd_layer **buckets;
+    uint32_t nbuckets;       /* 0 or a power of two, at least n */
     kd_backend *backend;
     uint32_t heads;
 } kd_layers;
