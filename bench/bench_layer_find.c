@@ -18,6 +18,7 @@
 
 #include "backend.h"
 #include "layer.h"
+#include "log.h"
 
 #define UIDS 8
 #define HEADS 4
@@ -75,6 +76,7 @@ int main(int argc, char **argv)
         memcpy(sizes, defaults, sizeof(defaults));
         nsizes = 3;
     }
+    kd_log_set_level(KD_LOG_WARNING);
     char err[256];
     kd_backend *b;
     kd_backend_config bc = {.kind = KD_BACKEND_CPU, .cpu_threads = 1, .heads = HEADS, .slots = 1,
