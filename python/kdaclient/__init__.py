@@ -15,9 +15,10 @@ bf16/int16 tensor through DLPack), shapes ``[len, H, 128]`` (``beta``: ``[len, H
 arrays travel inline, or through shared memory when large; CUDA tensors (DLPack or
 ``__cuda_array_interface__``) travel as CUDA regions, without a copy.  See docs/python.md.
 """
+import asyncio
+import fcntl
 import mmap
 import os
-import fcntl
 
 from . import _kdaclient
 from ._kdaclient import (DEFAULT_SCALE, HEAD_DIM, LIBRARY_VERSION, PROTOCOL_VERSION,
@@ -209,7 +210,9 @@ class StreamPrefill:
 
     Its response arrives whenever the client next reads its socket: :meth:`result` waits for
     it, :meth:`done` takes what has arrived without waiting, and an :class:`AsyncClient`
-    driving the same client completes it by itself.
+    driving the same client completes it by itself.  A handle from
+    :meth:`AsyncClient.prefill_on_stream` is awaitable: ``await h`` returns what
+    :meth:`result` returns, or raises its error, once the response arrives.
     """
 
     def __init__(self, client):
@@ -217,6 +220,8 @@ class StreamPrefill:
         self._finished = False
         self._result = self._exc = None
         self._last_word = 0
+        self._aio = None        # the AsyncClient whose reader completes it (awaitable)
+        self._waiters = []      # futures of the awaits in progress
         self.timings = None
         """The daemon's times of the request (as ``Client.last_timings``) once it succeeded."""
 
@@ -224,6 +229,14 @@ class StreamPrefill:
         self._result, self._exc, self.timings = result, exc, timings
         self._last_word = self._c._done_word(self._pair, self._value)
         self._finished = True
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            _wake(fut)
+
+    def _outcome(self):
+        if self._exc is not None:
+            raise self._exc
+        return self._result
 
     def set_ready(self):
         """Writes the ready word from the host (``stream=None`` only): call it once the
@@ -268,9 +281,47 @@ class StreamPrefill:
             # response off the socket and complete this handle meanwhile
             if self._c._wait(min(left, 0.1)) != 0 and not self._finished:
                 raise Disconnected("the connection failed", -102, True)
-        if self._exc is not None:
-            raise self._exc
-        return self._result
+        return self._outcome()
+
+    def __await__(self):
+        """``await h`` (a handle of :meth:`AsyncClient.prefill_on_stream`): the response, as
+        :meth:`result` gives it, without blocking the loop.  Cancelling the await does not
+        cancel the request; the handle may be awaited again, or by several tasks."""
+        if not self._finished:
+            ac = self._aio
+            if ac is None:
+                raise TypeError("await: this StreamPrefill comes from Client.prefill_on_stream; "
+                                "only AsyncClient.prefill_on_stream's handles are awaitable "
+                                "(its reader completes them), else call result()")
+            if not ac._watching():
+                raise RuntimeError("await: the AsyncClient that completes this StreamPrefill "
+                                   "was closed; call result()")
+            fut = ac._loop.create_future()
+            self._waiters.append(fut)
+            try:
+                yield from fut.__await__()
+            finally:
+                if fut in self._waiters:     # cancelled before the response
+                    self._waiters.remove(fut)
+        return self._outcome()
+
+
+def _wake(fut):
+    """Resolves an await's future from the thread that completed the handle (the loop's, when
+    an AsyncClient read the response; another when that thread's call did)."""
+    loop = fut.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        if not fut.done():
+            fut.set_result(None)
+        return
+    try:
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+    except RuntimeError:                     # its loop is closed: nobody awaits any more
+        pass
 
 
 def connect(path=None, timeout=None, *, name=None, inline_max=None):

@@ -1,6 +1,6 @@
 """Type hints of kdaclient (the package is a C extension plus a thin Python layer)."""
 import asyncio
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, TypedDict, Union
+from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Sequence, TypedDict, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -140,6 +140,7 @@ class StreamPrefill:
     def done_word(self) -> int: ...
     def done(self) -> bool: ...
     def result(self, timeout: Optional[float] = None) -> list[SeqResult]: ...
+    def __await__(self) -> Generator[Any, None, list[SeqResult]]: ...
 
 
 class AsyncClient:

@@ -63,10 +63,16 @@ class AsyncClient:
         return await fut
 
     def prefill_on_stream(self, layer, seqs, stream):
-        """:meth:`Client.prefill_on_stream`; this object's reader completes the handle."""
+        """:meth:`Client.prefill_on_stream`, returning at once; this object's reader completes
+        the handle, which is awaitable: ``h = ac.prefill_on_stream(...)``, work on the stream
+        (or ``h.set_ready()``), then ``await h`` for the response."""
         h = self._c.prefill_on_stream(layer, seqs, stream)
+        h._aio = self
         self._arm(self._c._events())
         return h
+
+    def _watching(self):
+        return self._fd is not None
 
     def _arm(self, events):
         want = bool(events & _kdaclient.WRITABLE)

@@ -1,8 +1,9 @@
 """Stream-ordered prefills (Client.prefill_on_stream) with the ready word written by the host
 (stream=None), against a kdad on the CPU backend: the request waits for its ready word, its
 done word and response, failures (the daemon's error, READY_TIMEOUT, a daemon that dies)
-releasing the done word with the failure bit and raising at result(), and the arguments
-refused.  The CUDA stream form is in test_cuda.py."""
+releasing the done word with the failure bit and raising at result(), awaited handles of
+AsyncClient.prefill_on_stream, and the arguments refused.  The CUDA stream form is in
+test_cuda.py."""
 import asyncio
 import threading
 import time
@@ -142,6 +143,7 @@ class OrderedTest(unittest.TestCase):
         self.assertEqual(self.c.slot_info(s)[0]["pos"], 0)
 
     def test_asyncio_completes_the_handle(self):
+        """AsyncClient's reader completes the handle without an await."""
         _, placed = self.seq(6)
         s, = self.c.alloc_slots(1)
 
@@ -154,6 +156,87 @@ class OrderedTest(unittest.TestCase):
                         return h.result()
                     await asyncio.sleep(0.01)
         self.assertEqual(asyncio.run(run())[0]["pos"], 6)
+
+    def test_await(self):
+        """await h: the response once it arrives, the loop running meanwhile; equal to the
+        blocking prefill's; awaited again, or by several tasks, the same result."""
+        x, placed = self.seq(24)
+        s, ref_slot = self.c.alloc_slots(2)
+
+        async def run():
+            async with kdaclient.AsyncClient(self.c) as ac:
+                h = ac.prefill_on_stream("O", [dict(placed, slot=s, expect_pos=0)], None)
+                ticks = 0
+
+                async def tick():          # the loop is not blocked by the await
+                    nonlocal ticks
+                    while not h._finished:
+                        ticks += 1
+                        await asyncio.sleep(0.005)
+                ticker = asyncio.ensure_future(tick())
+                asyncio.get_running_loop().call_later(0.1, h.set_ready)
+                first, second = await asyncio.wait_for(asyncio.gather(h, h), 30)
+                await ticker
+                again = await h            # finished: at once
+                return h, first, second, again, ticks
+        h, first, second, again, ticks = asyncio.run(run())
+        self.assertGreater(ticks, 5)
+        self.assertIs(first, second)
+        self.assertIs(first, again)
+        self.assertEqual(first[0]["pos"], 24)
+        self.assertIs(first[0]["out"], placed["out"])
+        self.assertEqual(h.done_word(), 1)
+        self.assertGreater(h.timings["run_us"], 0)
+        ref = self.c.prefill("O", [dict(x, slot=ref_slot)])[0]["out"]
+        np.testing.assert_array_equal(placed["out"], ref)
+
+    def test_await_chained_and_failed(self):
+        """Four requests on one slot and a fifth that fails, gathered: each awaits its own
+        response; the failure raises its class at its await; a cancelled await leaves the
+        request in flight, to be awaited again."""
+        s, = self.c.alloc_slots(1)
+        chunks = [self.seq(8)[1] for _ in range(4)]
+
+        async def run():
+            async with kdaclient.AsyncClient(self.c) as ac:
+                hs = [ac.prefill_on_stream("O", [dict(p, slot=s, expect_pos=8 * i)], None)
+                      for i, p in enumerate(chunks)]
+                bad = ac.prefill_on_stream("O", [dict(chunks[0], slot=s, expect_pos=5)], None)
+                with self.assertRaises(asyncio.TimeoutError):   # not ready: still waiting
+                    await asyncio.wait_for(hs[0], 0.05)
+                self.assertFalse(hs[0]._finished)
+                for h in hs + [bad]:
+                    h.set_ready()
+                res = await asyncio.wait_for(asyncio.gather(*hs, return_exceptions=True), 30)
+                with self.assertRaises(kdaclient.PositionMismatch):
+                    await asyncio.wait_for(bad, 30)
+                return res, bad
+        res, bad = asyncio.run(run())
+        self.assertEqual([r[0]["pos"] for r in res], [8, 16, 24, 32])
+        self.assertEqual(bad.done_word(), -1)
+
+    def test_await_needs_an_async_client(self):
+        _, placed = self.seq(4)
+        s, = self.c.alloc_slots(1)
+        h = self.c.prefill_on_stream("O", [dict(placed, slot=s)], None)
+
+        async def run():
+            await h
+        with self.assertRaisesRegex(TypeError, "only AsyncClient.prefill_on_stream's handles"):
+            asyncio.run(run())
+
+        async def closed():
+            ac = kdaclient.AsyncClient(self.c)
+            h2 = ac.prefill_on_stream("O", [dict(placed, slot=s)], None)
+            ac.close()                                  # the client is ours and stays open
+            with self.assertRaisesRegex(RuntimeError, "was closed; call result"):
+                await h2
+            return h2
+        h2 = asyncio.run(closed())
+        h.set_ready()
+        h2.set_ready()
+        self.assertEqual(h.result(timeout=30)[0]["pos"], 4)
+        self.assertEqual(h2.result(timeout=30)[0]["pos"], 8)
 
     def test_refused(self):
         x, placed = self.seq(4)
