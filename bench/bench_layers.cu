@@ -31,7 +31,8 @@
  * Inputs and outputs live in device memory registered with kdad as a CUDA
  * IPC region; the semaphore words in a shared memory region mapped for both
  * GPUs' streams.  Every sequence starts FRESH each pass, so all variants
- * compute the same outputs (checked bit for bit, last layer).
+ * compute the same outputs (checked bit for bit, last layer; the output
+ * block is set to NaNs before each variant runs).
  *
  * Reported per (H, workload, variant): the median time per forward pass
  * (CUDA events around the pass on the client's stream), its ratio to
@@ -452,9 +453,18 @@ static std::vector<kdac_seq> layer_seqs(const Kdad &k, const Setup &s, int l)
     return v;
 }
 
+/* NaNs over the output block, so that a variant whose server left it unwritten cannot pass the
+ * comparison with what the variant before it wrote there. */
+static void clear_output(Setup &s, cudaStream_t st)
+{
+    CK(cudaMemsetAsync(s.buf + s.off_out, 0xff, s.tok_bytes, st));
+    CK(cudaStreamSynchronize(st));
+}
+
 static Timing kdad_sync(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
 {
     const int L = s.L;
+    clear_output(s, st);
     std::vector<std::vector<kdac_seq>> seqs(L);
     for (int l = 0; l < L; l++)
         seqs[l] = layer_seqs(k, s, l);
@@ -512,6 +522,7 @@ static void kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vec
                         StreamAcc &acc)
 {
     const int L = s.L;
+    clear_output(s, st);
     std::vector<std::vector<kdac_seq>> seqs(L);
     for (int l = 0; l < L; l++)
         seqs[l] = layer_seqs(k, s, l);
@@ -626,6 +637,7 @@ static int floor_server(char **a)
 static Timing floor_pair(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
 {
     const int L = s.L;
+    clear_output(s, st);
     memset(k.sems.base, 0, k.sems.size);
     cudaIpcMemHandle_t h;
     CK(cudaIpcGetMemHandle(&h, s.buf));
