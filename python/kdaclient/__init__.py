@@ -294,9 +294,8 @@ class StreamPrefill:
                                 "only AsyncClient.prefill_on_stream's handles are awaitable "
                                 "(its reader completes them), else call result()")
             if not ac._watching():
-                raise RuntimeError("await: the AsyncClient that completes this StreamPrefill "
-                                   "was closed; call result()")
-            fut = ac._loop.create_future()
+                raise _await_closed()
+            fut = ac._await_future(_await_closed)   # its close() fails the await
             self._waiters.append(fut)
             try:
                 yield from fut.__await__()
@@ -304,6 +303,11 @@ class StreamPrefill:
                 if fut in self._waiters:     # cancelled before the response
                     self._waiters.remove(fut)
         return self._outcome()
+
+
+def _await_closed():
+    return RuntimeError("await: the AsyncClient that completes this StreamPrefill was closed; "
+                        "call result()")
 
 
 def _wake(fut):

@@ -1,6 +1,7 @@
 """AsyncClient: many requests in flight on one connection, driven by loop.add_reader."""
 import asyncio
 import unittest
+from unittest import mock
 
 import numpy as np
 
@@ -89,6 +90,43 @@ class AsyncTest(unittest.TestCase):
 
         r, = asyncio.run(main())
         self.assertIsInstance(r, kdaclient.Canceled)
+
+    def test_close_fails_the_awaits_of_a_client_not_owned(self):
+        """close() of an AsyncClient driving a client it did not open: the prefill and step
+        awaits in progress fail with Canceled (nothing reads their answers any more) and a
+        later one is refused; the client serves on, its next call taking the dropped answers
+        off the socket."""
+        x = rand_seq(self.rng, 64, H)
+        with self.d.connect() as c:
+            c.register_layer("A", *self.layer, -5.0)
+            a, b = c.alloc_slots(2)
+
+            async def main():
+                ac = kdaclient.AsyncClient(c)
+                tasks = [asyncio.ensure_future(ac.prefill("A", [dict(x, slot=a)])),
+                         asyncio.ensure_future(ac.step("A", [b], x["q"][:1], x["k"][:1],
+                                                       x["v"][:1], x["g"][:1], x["beta"][:1]))]
+                await asyncio.sleep(0)        # both submitted, neither answer read
+                inflight = c.inflight
+                ac.close()
+                got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+                with self.assertRaisesRegex(RuntimeError, "the AsyncClient was closed"):
+                    await ac.prefill("A", [dict(x, slot=a)])
+                return inflight, got
+
+            inflight, got = asyncio.run(main())
+            self.assertEqual(inflight, 2)
+            for r in got:
+                self.assertIsInstance(r, kdaclient.Canceled)
+            self.assertFalse(c.closed)
+            with mock.patch("sys.unraisablehook") as hook:   # the dropped answers: no error
+                after = c.prefill("A", [dict(slice_seq(x, 0, 8), slot=a, expect_pos=64)])
+                stepped = c.step("A", [b], x["q"][1:2], x["k"][1:2], x["v"][1:2], x["g"][1:2],
+                                 x["beta"][1:2], expect_pos=[1])
+            hook.assert_not_called()
+            self.assertEqual(after[0]["pos"], 72)     # the dropped requests ran
+            self.assertEqual(stepped["pos"], [2])
+            self.assertEqual(c.inflight, 0)
 
 
 if __name__ == "__main__":

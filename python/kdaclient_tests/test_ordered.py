@@ -238,6 +238,44 @@ class OrderedTest(unittest.TestCase):
         self.assertEqual(h.result(timeout=30)[0]["pos"], 4)
         self.assertEqual(h2.result(timeout=30)[0]["pos"], 8)
 
+    def test_close_fails_the_awaits(self):
+        """close() of an AsyncClient fails its handles' awaits in progress, whoever owns the
+        client: with RuntimeError when the client is not its own (the request stays in
+        flight and result() gives its answer), with Canceled when it is (closing the client
+        fails the request)."""
+        _, placed = self.seq(4)
+        s, = self.c.alloc_slots(1)
+
+        async def wait(h):
+            return await h
+
+        async def not_owned():
+            ac = kdaclient.AsyncClient(self.c)
+            h = ac.prefill_on_stream("O", [dict(placed, slot=s)], None)
+            tasks = [asyncio.ensure_future(wait(h)) for _ in range(2)]
+            await asyncio.sleep(0)                      # both awaits in progress
+            ac.close()
+            return h, await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        h, got = asyncio.run(not_owned())
+        for r in got:
+            self.assertIsInstance(r, RuntimeError)
+            self.assertRegex(str(r), "was closed; call result")
+        h.set_ready()
+        self.assertEqual(h.result(timeout=30)[0]["pos"], 4)
+
+        async def owned():
+            ac = kdaclient.AsyncClient(path=self.d.sock, timeout=120)
+            ac.register_layer("O", *self.layer, -5.0)
+            p, _ = place(ac.shared_array(1 << 16), 0, rand_seq(self.rng, 4, H))
+            h = ac.prefill_on_stream("O", [dict(p, slot=ac.alloc_slots(1)[0])], None)
+            t = asyncio.ensure_future(wait(h))
+            await asyncio.sleep(0)
+            ac.close()
+            return h, await asyncio.wait_for(asyncio.gather(t, return_exceptions=True), 30)
+        h, (r,) = asyncio.run(owned())
+        self.assertIsInstance(r, kdaclient.Canceled)
+        self.assertEqual(h.done_word(), -1)
+
     def test_refused(self):
         x, placed = self.seq(4)
         s, = self.c.alloc_slots(1)
