@@ -17,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import unittest
 
 import numpy as np
 
@@ -114,6 +115,32 @@ def daemon(**kw):
         yield d
     finally:
         d.stop()
+
+
+class DaemonTestCase(unittest.TestCase):
+    """A kdad for the class (self.d, its exit checked when the class ends), an rng seeded with
+    SEED (self.rng) and a layer's parameters drawn from it first (self.layer: A_log, dt_bias);
+    with LAYER set, a client per test (self.c) with that layer registered under LAYER
+    (lower bound -5), closed after the test.  DAEMON: Daemon's keyword arguments."""
+    DAEMON = {}
+    SEED = 0
+    LAYER = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.d = Daemon(**cls.DAEMON).start()
+        cls.rng = np.random.default_rng(cls.SEED)
+        cls.layer = rand_layer(cls.rng, cls.d.heads)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.d.stop()
+
+    def setUp(self):
+        if self.LAYER:
+            self.c = self.d.connect()
+            self.addCleanup(self.c.close)
+            self.c.register_layer(self.LAYER, *self.layer, -5.0)
 
 
 # ---------------------------------------------------------------------------------------------

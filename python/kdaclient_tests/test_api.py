@@ -7,29 +7,16 @@ import unittest
 import numpy as np
 
 import kdaclient
-from . import (Daemon, kda_reference, rand_layer, rand_seq, rel_rms, slice_seq, OUT_TOL,
-               STATE_TOL)
+from . import (Daemon, DaemonTestCase, kda_reference, rand_seq, rel_rms, slice_seq,
+               OUT_TOL, STATE_TOL)
 
 H = 4
 
 
-class ApiTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.d = Daemon(heads=H).start()
-        cls.rng = np.random.default_rng(7)
-        cls.A_log, cls.dt_bias = rand_layer(cls.rng, H)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.d.stop()
-
-    def setUp(self):
-        self.c = self.d.connect()
-        self.c.register_layer("L", self.A_log, self.dt_bias, -5.0)
-
-    def tearDown(self):
-        self.c.close()
+class ApiTest(DaemonTestCase):
+    DAEMON = dict(heads=H)
+    SEED = 7
+    LAYER = "L"
 
     def seq(self, T):
         return rand_seq(self.rng, T, H)
@@ -79,9 +66,9 @@ class ApiTest(unittest.TestCase):
             d.stop()
 
     def test_register_layer_created(self):
-        self.assertFalse(self.c.register_layer("L", self.A_log, self.dt_bias, -5.0))
-        self.assertTrue(self.c.register_layer("L2", self.A_log.tolist(), self.dt_bias, -3.0,
-                                              scale=0.1))
+        self.assertFalse(self.c.register_layer("L", *self.layer, -5.0))
+        A_log, dt_bias = self.layer
+        self.assertTrue(self.c.register_layer("L2", A_log.tolist(), dt_bias, -3.0, scale=0.1))
         names = {l["name"]: l for l in self.c.layers()}
         self.assertAlmostEqual(names["L2"]["scale"], 0.1, places=6)
         self.c.drop_layer("L2")
@@ -95,7 +82,7 @@ class ApiTest(unittest.TestCase):
         out = res[0]["out"]
         self.assertEqual(out.shape, (77, H, 128))
         self.assertEqual(out.dtype, np.uint16)
-        ref_out, ref_state = kda_reference(x, self.A_log, self.dt_bias)
+        ref_out, ref_state = kda_reference(x, *self.layer)
         self.assertLess(rel_rms(kdaclient.from_bf16(out), ref_out), OUT_TOL)
         state, pos = self.c.read_slot(s, with_pos=True)
         self.assertEqual(pos, 77)
@@ -128,7 +115,7 @@ class ApiTest(unittest.TestCase):
         self.assertLess(rel_rms(kdaclient.from_bf16(parts), kdaclient.from_bf16(whole)), OUT_TOL)
         s1, s2 = self.c.read_slot(one), self.c.read_slot(chunked)
         self.assertLess(rel_rms(s2, s1), STATE_TOL)
-        ref_out, ref_state = kda_reference(x, self.A_log, self.dt_bias)
+        ref_out, ref_state = kda_reference(x, *self.layer)
         self.assertLess(rel_rms(kdaclient.from_bf16(parts), ref_out), OUT_TOL)
         self.assertLess(rel_rms(s2, ref_state), STATE_TOL)
 
@@ -172,7 +159,7 @@ class ApiTest(unittest.TestCase):
         x = self.seq(300)
         before = self.c.stats()["transport_bytes"]
         with self.d.connect(inline_max=64 << 10) as small:
-            small.register_layer("L", self.A_log, self.dt_bias, -5.0)
+            small.register_layer("L", *self.layer, -5.0)
             t1, = small.alloc_slots(1)
             staged = small.prefill("L", [dict(x, slot=t1)])[0]["out"]
             self.assertGreaterEqual(small.regions()["staging"], 1)

@@ -6,21 +6,14 @@ from unittest import mock
 import numpy as np
 
 import kdaclient
-from . import Daemon, rand_layer, rand_seq, slice_seq
+from . import DaemonTestCase, rand_seq, slice_seq
 
 H = 4
 
 
-class AsyncTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.d = Daemon(heads=H).start()
-        cls.rng = np.random.default_rng(11)
-        cls.layer = rand_layer(cls.rng, H)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.d.stop()
+class AsyncTest(DaemonTestCase):
+    DAEMON = dict(heads=H)
+    SEED = 11
 
     def test_32_in_flight(self):
         xs = [rand_seq(self.rng, int(n), H) for n in self.rng.integers(1, 200, 32)]

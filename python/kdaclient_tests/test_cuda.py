@@ -21,7 +21,7 @@ import unittest
 import numpy as np
 
 import kdaclient
-from . import Daemon, rand_layer, rand_seq, rel_rms
+from . import DaemonTestCase, rand_layer, rand_seq, rel_rms
 
 try:
     import torch
@@ -49,24 +49,10 @@ def host_bits(t):
 
 
 @unittest.skipUnless(HAVE_CUDA, SKIP)
-class CudaTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.d = Daemon(heads=H, backend="cuda",
-                       config="limits:\n  max_regions_per_client: 9\n").start()
-        cls.rng = np.random.default_rng(5)
-        cls.layer = rand_layer(cls.rng, H)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.d.stop()
-
-    def setUp(self):
-        self.c = self.d.connect()
-        self.c.register_layer("C", *self.layer, -5.0)
-
-    def tearDown(self):
-        self.c.close()
+class CudaTest(DaemonTestCase):
+    DAEMON = dict(heads=H, backend="cuda", config="limits:\n  max_regions_per_client: 9\n")
+    SEED = 5
+    LAYER = "C"
 
     def test_tensors_in_and_out_without_host_copy(self):
         T = 300
@@ -188,26 +174,12 @@ class CudaTest(unittest.TestCase):
 
 
 @unittest.skipUnless(HAVE_CUDA, SKIP)
-class CudaStepStreamTest(unittest.TestCase):
+class CudaStepStreamTest(DaemonTestCase):
     """Decode steps with CUDA tensors (states kept in device memory, a draft rolled back from
     them), and prefills ordered by a PyTorch stream (prefill_on_stream)."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls.d = Daemon(heads=H, backend="cuda").start()
-        cls.rng = np.random.default_rng(23)
-        cls.layer = rand_layer(cls.rng, H)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.d.stop()
-
-    def setUp(self):
-        self.c = self.d.connect()
-        self.c.register_layer("T", *self.layer, -5.0)
-
-    def tearDown(self):
-        self.c.close()
+    DAEMON = dict(heads=H, backend="cuda")
+    SEED = 23
+    LAYER = "T"
 
     def primed(self, n, sets, prompt=7):
         """`sets` lists of n slots, list j's slot i holding sequence i's prompt state."""

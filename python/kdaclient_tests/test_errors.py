@@ -14,7 +14,7 @@ import unittest
 import numpy as np
 
 import kdaclient
-from . import Daemon, rand_layer, rand_seq
+from . import Daemon, DaemonTestCase, rand_layer, rand_seq
 
 H = 4
 CONFIG = """
@@ -39,24 +39,15 @@ class ErrorClassesTest(unittest.TestCase):
         self.assertTrue(kdaclient.PoolFull("x", -30, True).retryable)
 
 
-class DaemonErrorsTest(unittest.TestCase):
+class DaemonErrorsTest(DaemonTestCase):
+    DAEMON = dict(heads=H, slots=16, config=CONFIG)
+    SEED = 3
+    LAYER = "E"
+
     @classmethod
     def setUpClass(cls):
-        cls.d = Daemon(heads=H, slots=16, config=CONFIG).start()
-        rng = np.random.default_rng(3)
-        cls.layer = rand_layer(rng, H)
-        cls.x = rand_seq(rng, 16, H)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.d.stop()
-
-    def setUp(self):
-        self.c = self.d.connect()
-        self.c.register_layer("E", *self.layer, -5.0)
-
-    def tearDown(self):
-        self.c.close()
+        super().setUpClass()
+        cls.x = rand_seq(cls.rng, 16, H)
 
     def check(self, cls, fn, pattern=None):
         with self.assertRaises(cls) as cm:

@@ -12,7 +12,7 @@ import unittest
 import numpy as np
 
 import kdaclient
-from . import Daemon, rand_layer, rand_seq
+from . import Daemon, DaemonTestCase, rand_layer, rand_seq
 
 H = 4
 FIELDS = ("q", "k", "v", "g", "beta")
@@ -32,25 +32,15 @@ def place(arena, off, x, with_out=True):
     return placed, off
 
 
-class OrderedTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.d = Daemon(heads=H, config=CONFIG).start()
-        cls.rng = np.random.default_rng(13)
-        cls.layer = rand_layer(cls.rng, H)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.d.stop()
+class OrderedTest(DaemonTestCase):
+    DAEMON = dict(heads=H, config=CONFIG)
+    SEED = 13
+    LAYER = "O"
 
     def setUp(self):
-        self.c = self.d.connect()
-        self.c.register_layer("O", *self.layer, -5.0)
+        super().setUp()
         self.arena = self.c.shared_array(1 << 20)
         self.off = 0
-
-    def tearDown(self):
-        self.c.close()
 
     def seq(self, T):
         x = rand_seq(self.rng, T, H)
@@ -295,43 +285,35 @@ class OrderedTest(unittest.TestCase):
 
 
 class OrderedDisconnectTest(unittest.TestCase):
+    def waiting(self, seed, check):
+        """A kdad of its own, stopped after the test (check: its exit checked), and a client
+        with a host-ordered prefill waiting for its ready word: (kdad, client, handle)."""
+        d = Daemon(heads=H).start()
+        self.addCleanup(d.stop, check=check)
+        c = d.connect()
+        rng = np.random.default_rng(seed)
+        c.register_layer("O", *rand_layer(rng, H), -5.0)
+        placed, _ = place(c.shared_array(1 << 16), 0, rand_seq(rng, 4, H))
+        s, = c.alloc_slots(1)
+        return d, c, c.prefill_on_stream("O", [dict(placed, slot=s)], None)
+
     def test_daemon_dies(self):
         """kdad killed with a request waiting for its ready word: result() raises
         Disconnected and the done word carries the failure bit (libkdaclient wrote it)."""
-        d = Daemon(heads=H).start()
-        try:
-            c = d.connect()
-            rng = np.random.default_rng(17)
-            c.register_layer("O", *rand_layer(rng, H), -5.0)
-            arena = c.shared_array(1 << 16)
-            placed, _ = place(arena, 0, rand_seq(rng, 4, H))
-            s, = c.alloc_slots(1)
-            h = c.prefill_on_stream("O", [dict(placed, slot=s)], None)
-            d.proc.kill()
-            d.proc.wait()
-            with self.assertRaises(kdaclient.Disconnected):
-                h.result(timeout=30)
-            self.assertEqual(h.done_word(), -1)
-            c.close()
-        finally:
-            d.stop(check=False)
+        d, c, h = self.waiting(17, check=False)
+        d.proc.kill()
+        d.proc.wait()
+        with self.assertRaises(kdaclient.Disconnected):
+            h.result(timeout=30)
+        self.assertEqual(h.done_word(), -1)
+        c.close()
 
     def test_close_cancels(self):
-        d = Daemon(heads=H).start()
-        try:
-            c = d.connect()
-            rng = np.random.default_rng(19)
-            c.register_layer("O", *rand_layer(rng, H), -5.0)
-            arena = c.shared_array(1 << 16)
-            placed, _ = place(arena, 0, rand_seq(rng, 4, H))
-            s, = c.alloc_slots(1)
-            h = c.prefill_on_stream("O", [dict(placed, slot=s)], None)
-            c.close()
-            with self.assertRaises(kdaclient.Canceled):
-                h.result()
-            self.assertEqual(h.done_word(), -1)      # libkdaclient wrote the failure bit
-        finally:
-            d.stop()
+        _, c, h = self.waiting(19, check=True)
+        c.close()
+        with self.assertRaises(kdaclient.Canceled):
+            h.result()
+        self.assertEqual(h.done_word(), -1)      # libkdaclient wrote the failure bit
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import unittest
 import numpy as np
 
 import kdaclient
-from . import Daemon, kda_reference, rand_layer, rand_seq, rel_rms, OUT_TOL, STATE_TOL
+from . import DaemonTestCase, kda_reference, rand_seq, rel_rms, OUT_TOL, STATE_TOL
 
 H = 4
 FIELDS = ("q", "k", "v", "g", "beta")
@@ -23,23 +23,10 @@ def tokens(x, a, b):
     return {n: x[n][a:b] for n in FIELDS}
 
 
-class StepTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.d = Daemon(heads=H, slots=64).start()
-        cls.rng = np.random.default_rng(11)
-        cls.A_log, cls.dt_bias = rand_layer(cls.rng, H)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.d.stop()
-
-    def setUp(self):
-        self.c = self.d.connect()
-        self.c.register_layer("S", self.A_log, self.dt_bias, -5.0)
-
-    def tearDown(self):
-        self.c.close()
+class StepTest(DaemonTestCase):
+    DAEMON = dict(heads=H, slots=64)
+    SEED = 11
+    LAYER = "S"
 
     def primed(self, n, prompt=9):
         """Two sets of n slots holding the same state after a prompt of `prompt` tokens."""
@@ -102,8 +89,8 @@ class StepTest(unittest.TestCase):
         self.assertEqual(res["pos"], [20 + L for L in lens])
         start = 0
         for s, p, x, L in zip(slots, prompts, drafts, lens):
-            _, st0 = kda_reference(p, self.A_log, self.dt_bias)
-            ref_out, ref_state = kda_reference(x, self.A_log, self.dt_bias, state=st0)
+            _, st0 = kda_reference(p, *self.layer)
+            ref_out, ref_state = kda_reference(x, *self.layer, state=st0)
             self.assertLess(rel_rms(kdaclient.from_bf16(out[start:start + L]), ref_out), OUT_TOL)
             self.assertLess(rel_rms(self.c.read_slot(s), ref_state), STATE_TOL)
             start += L
@@ -189,7 +176,7 @@ class StepTest(unittest.TestCase):
         """Inputs above inline_max go through a staging buffer, with the same result."""
         small = self.d.connect(inline_max=4096)
         try:
-            small.register_layer("S", self.A_log, self.dt_bias, -5.0)
+            small.register_layer("S", *self.layer, -5.0)
             a = small.alloc_slots(8)
             b = self.c.alloc_slots(8)
             x = rand_seq(self.rng, 8, H)
