@@ -159,30 +159,36 @@ fail:
     return NULL;
 }
 
-static words *words_of(ClientObject *self, int pair)
+/* The (pair, value) arguments of _set_ready and _done_word -> the pair's ready (which 0) or
+ * done (1) word as the host sees it, expecting value; -1 with the error set. */
+static int pair_sem(PyObject *o, PyObject *args, int which, kdac_sem *sem)
 {
-    if (!self->words || pair < 0 || pair >= KP_WORD_PAIRS) {
-        PyErr_SetString(PyExc_ValueError, self->words ? "no such semaphore pair"
-                                                      : "the client has no semaphore words "
-                                                        "(closed, or none taken yet)");
-        return NULL;
+    ClientObject *self = (ClientObject *)o;
+    words *w = self->words;
+    int pair;
+    unsigned long long value;
+    if (!PyArg_ParseTuple(args, "iK", &pair, &value))
+        return -1;
+    if (!w || pair < 0 || pair >= KP_WORD_PAIRS) {
+        PyErr_SetString(PyExc_ValueError, w ? "no such semaphore pair"
+                                            : "the client has no semaphore words "
+                                              "(closed, or none taken yet)");
+        return -1;
     }
-    return self->words;
+    *sem = (kdac_sem){w->region, 16 * (uint64_t)pair + 8 * which, value, word(w, pair, which), 0};
+    return 0;
 }
 
 /* _set_ready(pair, value): the host's ready store (release: the inputs before it), raising
  * the word to value unless it is there already (a late call never lowers a reused pair). */
 PyObject *kp_client_set_ready(PyObject *o, PyObject *args)
 {
-    ClientObject *self = (ClientObject *)o;
-    int pair;
-    unsigned long long value;
-    words *w;
-    if (!PyArg_ParseTuple(args, "iK", &pair, &value) || !(w = words_of(self, pair)))
+    kdac_sem ready;
+    if (pair_sem(o, args, 0, &ready) != 0)
         return NULL;
-    uint64_t *p = word(w, pair, 0), cur = __atomic_load_n(p, __ATOMIC_RELAXED);
-    while (cur < value &&
-           !__atomic_compare_exchange_n(p, &cur, value, true, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+    uint64_t *p = ready.host, cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (cur < ready.value && !__atomic_compare_exchange_n(p, &cur, ready.value, true,
+                                                             __ATOMIC_RELEASE, __ATOMIC_RELAXED))
         ;
     Py_RETURN_NONE;
 }
@@ -190,13 +196,9 @@ PyObject *kp_client_set_ready(PyObject *o, PyObject *args)
 /* _done_word(pair, value) -> 0 below value, 1 reached, -1 reached with the failure bit. */
 PyObject *kp_client_done_word(PyObject *o, PyObject *args)
 {
-    ClientObject *self = (ClientObject *)o;
-    int pair;
-    unsigned long long value;
-    words *w;
-    if (!PyArg_ParseTuple(args, "iK", &pair, &value) || !(w = words_of(self, pair)))
+    kdac_sem done;
+    if (pair_sem(o, args, 1, &done) != 0)
         return NULL;
-    kdac_sem done = {w->region, 16 * (uint64_t)pair + 8, value, word(w, pair, 1), 0};
     return PyLong_FromLong(kdac_sem_check(&done));
 }
 
