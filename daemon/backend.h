@@ -215,6 +215,7 @@ typedef struct kd_backend_config {
     const uint32_t *buckets; /* cuda graph buckets, increasing; the last >= max_batch_seqs */
     uint32_t nbuckets;
     uint64_t max_inline_bytes; /* sizes the cuda staging buffers */
+    bool gated_lanes;        /* cuda: set up the lanes of gated launches (ready_on_device) */
 } kd_backend_config;
 
 /*

@@ -2003,7 +2003,9 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     }
     find_vmm(&cb->vmm);
     err[0] = '\0';
-    if ((e = setup_lanes(cb, max_seqs, err, errlen))) {
+    /* Each lane is a kernel instance of its own (its scratch included) and a set of graphs:
+     * only when gated launches may use them. */
+    if (cfg->gated_lanes && (e = setup_lanes(cb, max_seqs, err, errlen))) {
         rc = KP_E_INTERNAL;
         if (!err[0])
             cuda_err(err, errlen, e, "setting up the gated lanes");

@@ -527,6 +527,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         .buckets = bucket_list,
         .nbuckets = buckets(&d->cfg, bucket_list),
         .max_inline_bytes = d->cfg.limits.max_inline_bytes,
+        .gated_lanes = d->cfg.ready_on_device,
     };
     int rc = kd_backend_create(loop, &bc, kd_engine_batch_done, kd_engine_device_idle, &d->engine,
                                &d->backend, err, errlen);
