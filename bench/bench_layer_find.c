@@ -91,7 +91,7 @@ int main(int argc, char **argv)
     for (uint32_t s = 0; s < nsizes; s++) {
         const uint32_t n = sizes[s] < UIDS ? UIDS : sizes[s] / UIDS * UIDS;
         kd_layers ls;
-        kd_layers_init(&ls, b, HEADS);
+        kd_layers_init(&ls, b, HEADS, UINT64_C(0x5eed5eed5eed5eed));
         kd_layer_quota q = {n, n};
         probe *p = calloc(n, sizeof(*p)), miss[UIDS];
         for (uint32_t i = 0; i < n; i++) {

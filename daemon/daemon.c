@@ -538,7 +538,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         snprintf(err, errlen, "no memory for the bookkeeping of %u slots", d->cfg.slots);
         return KD_EXIT_FAILURE;
     }
-    kd_layers_init(&d->layers, d->backend, d->cfg.heads);
+    kd_layers_init(&d->layers, d->backend, d->cfg.heads, random_u64());
     if (kd_layers_sync_config(&d->layers, &d->cfg, err, errlen) != 0)
         return KD_EXIT_USAGE;
     kd_log_set_level(d->cfg.log_level);

@@ -12,11 +12,12 @@
 
 #define LAYER_ALIGN 64 /* host weights: a cache line, and what vector loads like */
 
-void kd_layers_init(kd_layers *ls, kd_backend *backend, uint32_t heads)
+void kd_layers_init(kd_layers *ls, kd_backend *backend, uint32_t heads, uint64_t seed)
 {
     memset(ls, 0, sizeof(*ls));
     ls->backend = backend;
     ls->heads = heads;
+    ls->seed = seed;
 }
 
 bool kd_layer_visible(const kd_layer *l, uint32_t uid)
@@ -26,16 +27,18 @@ bool kd_layer_visible(const kd_layer *l, uint32_t uid)
 
 /*
  * The table's key: the namespace (a uid's, or the configuration's, apart
- * from every uid's) and the name.  FNV-1a over the name, the namespace mixed
- * in, then a finalizer so that the low bits, which pick the bucket, depend
- * on all of it.  Names chosen to collide cost at worst a walk of one bucket,
- * the scan of every layer that this table replaced (limits.max_layers).
+ * from every uid's) and the name.  FNV-1a over the name from a basis drawn at
+ * start (so that which names share a bucket differs per daemon and cannot be
+ * worked out offline), the namespace mixed in, then a finalizer so that the
+ * low bits, which pick the bucket, depend on all of it.  Names that collide
+ * anyway cost at worst a walk of one bucket, the scan of every layer that
+ * this table replaced (limits.max_layers).
  */
 #define CONFIG_SPACE (UINT64_C(1) << 32) /* no uid's */
 
-static uint64_t name_hash(const char *name)
+static uint64_t name_hash(const kd_layers *ls, const char *name)
 {
-    uint64_t h = UINT64_C(14695981039346656037);
+    uint64_t h = UINT64_C(14695981039346656037) ^ ls->seed;
     for (const unsigned char *p = (const unsigned char *)name; *p; p++)
         h = (h ^ *p) * UINT64_C(1099511628211);
     return h;
@@ -71,7 +74,7 @@ static kd_layer *lookup(const kd_layers *ls, const char *name, uint64_t name_h, 
  * (kd_layers_sync_config removes them, kd_layers_register finds it first). */
 kd_layer *kd_layers_find(const kd_layers *ls, const char *name, uint32_t uid)
 {
-    uint64_t name_h = name_hash(name);
+    uint64_t name_h = name_hash(ls, name);
     kd_layer *l = lookup(ls, name, name_h, CONFIG_SPACE);
     return l ? l : lookup(ls, name, name_h, uid);
 }
@@ -223,7 +226,7 @@ static int add_layer(kd_layers *ls, const char *name, const void *A_log, const v
     l->refs = 1;
     l->regs = 1;
     l->index = ls->n;
-    l->hash = key_hash(name_hash(l->name), space_of(l));
+    l->hash = key_hash(name_hash(ls, l->name), space_of(l));
     ls->v[ls->n++] = l;
     link_layer(ls, l);
     return KP_OK;

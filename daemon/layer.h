@@ -60,9 +60,10 @@ typedef struct kd_layers {
     uint32_t nbuckets;       /* 0 or a power of two, at least n */
     kd_backend *backend;
     uint32_t heads;
+    uint64_t seed;           /* the name hash's basis, random per start */
 } kd_layers;
 
-void kd_layers_init(kd_layers *ls, kd_backend *backend, uint32_t heads);
+void kd_layers_init(kd_layers *ls, kd_backend *backend, uint32_t heads, uint64_t seed);
 /* Unregisters everything; layers still referenced by requests are released
  * when those finish. */
 void kd_layers_destroy(kd_layers *ls);

@@ -69,7 +69,7 @@ static int fixture_setup(void **state)
 {
     fixture *f = calloc(1, sizeof(*f));
     assert_non_null(f);
-    kd_layers_init(&f->ls, backend, HEADS);
+    kd_layers_init(&f->ls, backend, HEADS, UINT64_C(0x5eed5eed5eed5eed));
     weights_make(&f->w1, 1.0f);
     weights_make(&f->w2, 2.0f);
     *state = f;
