@@ -665,6 +665,19 @@ int dec_array(const dec_fields *f, const char *name, uint32_t max, bool allow_em
     return KP_OK;
 }
 
+int dec_timings(const dec_fields *f, uint64_t *queue_us, uint64_t *run_us, bool *timed,
+                uint64_t *device_us, uint64_t *kernel_us, kp_error *err)
+{
+    int rc;
+    bool has_kernel; /* optional, as device_us (present: not required) */
+    if ((rc = dec_u64(f, "queue_us", 0, UINT64_MAX, queue_us, NULL, err)) ||
+        (rc = dec_u64(f, "run_us", 0, UINT64_MAX, run_us, NULL, err)) ||
+        (rc = dec_u64(f, "device_us", 0, UINT64_MAX, device_us, timed, err)) ||
+        (rc = dec_u64(f, "kernel_us", 0, UINT64_MAX, kernel_us, &has_kernel, err)))
+        return rc;
+    return KP_OK;
+}
+
 int dec_map(const dec_fields *f, const char *name, const msgpack_object **out, bool *present,
             kp_error *err)
 {

@@ -429,12 +429,7 @@ int kp_prefill_result_encode(kp_writer *w, uint32_t id, const kp_prefill_result 
         if (has_out)
             enc_kv_ref(w, "out", &q->out);
     }
-    enc_kv_u64(w, "queue_us", r->queue_us);
-    enc_kv_u64(w, "run_us", r->run_us);
-    if (r->timed) {
-        enc_kv_u64(w, "device_us", r->device_us);
-        enc_kv_u64(w, "kernel_us", r->kernel_us);
-    }
+    enc_timings(w, r->queue_us, r->run_us, r->timed, r->device_us, r->kernel_us);
     return enc_finish(w, err);
 }
 
@@ -444,14 +439,11 @@ int kp_prefill_result_decode(kp_msg *msg, const kp_session *s, const kp_prefill_
     dec_fields f;
     const msgpack_object *arr;
     uint32_t n;
-    bool has_kernel;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, result_fields, err);
     if (rc || (rc = dec_array(&f, "seqs", req->nseqs, false, &arr, &n, NULL, err)) ||
-        (rc = dec_u64(&f, "queue_us", 0, UINT64_MAX, &r->queue_us, NULL, err)) ||
-        (rc = dec_u64(&f, "run_us", 0, UINT64_MAX, &r->run_us, NULL, err)) ||
-        (rc = dec_u64(&f, "device_us", 0, UINT64_MAX, &r->device_us, &r->timed, err)) ||
-        (rc = dec_u64(&f, "kernel_us", 0, UINT64_MAX, &r->kernel_us, &has_kernel, err)))
+        (rc = dec_timings(&f, &r->queue_us, &r->run_us, &r->timed, &r->device_us, &r->kernel_us,
+                          err)))
         return rc;
     if (n != req->nseqs)
         return kp_fail(err, KP_E_PROTOCOL, "seqs: %u results for %u sequences", n, req->nseqs);

@@ -255,12 +255,7 @@ int kp_step_result_encode(kp_writer *w, uint32_t id, const kp_step_result *r, kp
     enc_bin(w, r->pos, (uint64_t)r->nseqs * 8);
     if (has_out)
         enc_kv_ref(w, "out", &r->out);
-    enc_kv_u64(w, "queue_us", r->queue_us);
-    enc_kv_u64(w, "run_us", r->run_us);
-    if (r->timed) {
-        enc_kv_u64(w, "device_us", r->device_us);
-        enc_kv_u64(w, "kernel_us", r->kernel_us);
-    }
+    enc_timings(w, r->queue_us, r->run_us, r->timed, r->device_us, r->kernel_us);
     return enc_finish(w, err);
 }
 
@@ -268,17 +263,15 @@ int kp_step_result_decode(kp_msg *msg, const kp_session *s, const kp_step_params
                           kp_step_result *r, kp_error *err)
 {
     dec_fields f;
-    bool has_out, has_kernel;
+    bool has_out;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, result_fields, err);
     if (rc || (rc = dec_bin(&f, "pos", (uint64_t)req->nseqs * 8, &r->pos, NULL, err,
                             "%u sequences x 8 bytes u64", req->nseqs)) ||
         (rc = dec_ref(&f, "out", kp_token_tensor_bytes(req->tokens, s->geometry.heads), true, false,
                       &r->out, &has_out, err, TOKENS_SHAPE, req->tokens, s->geometry.heads)) ||
-        (rc = dec_u64(&f, "queue_us", 0, UINT64_MAX, &r->queue_us, NULL, err)) ||
-        (rc = dec_u64(&f, "run_us", 0, UINT64_MAX, &r->run_us, NULL, err)) ||
-        (rc = dec_u64(&f, "device_us", 0, UINT64_MAX, &r->device_us, &r->timed, err)) ||
-        (rc = dec_u64(&f, "kernel_us", 0, UINT64_MAX, &r->kernel_us, &has_kernel, err)))
+        (rc = dec_timings(&f, &r->queue_us, &r->run_us, &r->timed, &r->device_us, &r->kernel_us,
+                          err)))
         return rc;
     const bool want_out = req->out.kind == KP_REF_ABSENT;
     if (has_out != want_out)

@@ -263,6 +263,17 @@ void enc_error_object(kp_writer *w, const kp_error *e)
     enc_kv_bool(w, "retryable", kp_code_retryable(e->code));
 }
 
+void enc_timings(kp_writer *w, uint64_t queue_us, uint64_t run_us, bool timed,
+                 uint64_t device_us, uint64_t kernel_us)
+{
+    enc_kv_u64(w, "queue_us", queue_us);
+    enc_kv_u64(w, "run_us", run_us);
+    if (timed) {
+        enc_kv_u64(w, "device_us", device_us);
+        enc_kv_u64(w, "kernel_us", kernel_us);
+    }
+}
+
 int enc_need_str(const char *s, const char *field, kp_error *err)
 {
     if (!s)

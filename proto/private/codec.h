@@ -99,6 +99,9 @@ int dec_array(const dec_fields *f, const char *name, uint32_t max, bool allow_em
 int dec_map(const dec_fields *f, const char *name, const msgpack_object **out, bool *present,
             kp_error *err);
 
+/* enc_timings' fields; *timed says whether device_us came (both optional). */
+int dec_timings(const dec_fields *f, uint64_t *queue_us, uint64_t *run_us, bool *timed,
+                uint64_t *device_us, uint64_t *kernel_us, kp_error *err);
 /* Zone allocation for decoded arrays (n * size, overflow-checked). */
 void *dec_alloc(kp_msg *msg, size_t n, size_t size, kp_error *err);
 /* Copies a msgpack str (not NUL-terminated) into the zone as a C string. */
@@ -196,6 +199,10 @@ void enc_handles(kp_writer *w, const uint64_t *v, uint32_t n);
 #define enc_kv_handles(w, key, v, n) (enc_key(w, key), enc_handles((w), (v), (n)))
 /* The error object {code, name, message, retryable}. */
 void enc_error_object(kp_writer *w, const kp_error *e);
+/* A prefill's or step's timings: queue_us and run_us, then device_us and kernel_us when
+ * timed (four or two map entries). */
+void enc_timings(kp_writer *w, uint64_t queue_us, uint64_t run_us, bool timed,
+                 uint64_t device_us, uint64_t kernel_us);
 
 /* Checks an encoder input before packing: a string that must be set. */
 int enc_need_str(const char *s, const char *field, kp_error *err);
