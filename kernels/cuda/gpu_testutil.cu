@@ -191,6 +191,28 @@ void gpu_fill_uniform_f32(float *x, size_t n, uint64_t seed, float lo, float hi)
     GPU_CHECK(cudaGetLastError());
 }
 
+kda_pool gpu_make_pool(int32_t heads, int64_t slots, kda_dtype dtype, uint64_t seed)
+{
+    kda_pool p = {nullptr, dtype, heads, slots};
+    const size_t n = size_t(slots) * kda_slot_elems(heads);
+    GPU_CHECK(cudaMalloc(&p.state, n * kda_dtype_size(dtype)));
+    gpu_fill_normal_state(p.state, dtype, n, seed, 0.25f);
+    return p;
+}
+
+size_t gpu_pool_bytes(const kda_pool &p)
+{
+    return size_t(p.slots) * kda_slot_elems(p.heads) * kda_dtype_size(p.dtype);
+}
+
+kda_pool gpu_clone_pool(const kda_pool &p)
+{
+    kda_pool c = p;
+    GPU_CHECK(cudaMalloc(&c.state, gpu_pool_bytes(p)));
+    GPU_CHECK(cudaMemcpy(c.state, p.state, gpu_pool_bytes(p), cudaMemcpyDeviceToDevice));
+    return c;
+}
+
 void gpu_upload_table(const kda_seq *seqs, int32_t n, kda_seq **seqs_dev, int32_t **n_dev)
 {
     GPU_CHECK(cudaMalloc(seqs_dev, sizeof(kda_seq) * (n > 0 ? n : 1)));

@@ -29,6 +29,12 @@ void gpu_fill_normal_bf16(uint16_t *x, size_t n, uint64_t seed, float mean, floa
 void gpu_fill_normal_state(void *x, kda_dtype dtype, size_t n, uint64_t seed, float stddev);
 void gpu_fill_uniform_f32(float *x, size_t n, uint64_t seed, float lo, float hi);
 
+/* A pool of `slots` states in `dtype`, filled with N(0, 0.25^2) from seed; its size in bytes;
+ * a device copy of it (the caller cudaFrees each pool's state). */
+kda_pool gpu_make_pool(int32_t heads, int64_t slots, kda_dtype dtype, uint64_t seed);
+size_t gpu_pool_bytes(const kda_pool &p);
+kda_pool gpu_clone_pool(const kda_pool &p);
+
 /* A batch's descriptor table and its live count, copied to device memory as kda_cuda_prefill
  * reads them (the caller cudaFrees both). */
 void gpu_upload_table(const kda_seq *seqs, int32_t n, kda_seq **seqs_dev, int32_t **n_dev);

@@ -103,25 +103,6 @@ static void free_step(DevStep &s)
     s = DevStep();
 }
 
-static kda_pool make_pool(int32_t heads, int64_t slots, kda_dtype dtype, uint64_t sd)
-{
-    kda_pool p = {nullptr, dtype, heads, slots};
-    const size_t n = size_t(slots) * kda_slot_elems(heads);
-    GPU_CHECK(cudaMalloc(&p.state, n * kda_dtype_size(dtype)));
-    gpu_fill_normal_state(p.state, dtype, n, sd, 0.25f);
-    return p;
-}
-
-static size_t pool_bytes(const kda_pool &p) { return size_t(p.slots) * kda_slot_elems(p.heads) * kda_dtype_size(p.dtype); }
-
-static kda_pool clone_pool(const kda_pool &p)
-{
-    kda_pool c = p;
-    GPU_CHECK(cudaMalloc(&c.state, pool_bytes(p)));
-    GPU_CHECK(cudaMemcpy(c.state, p.state, pool_bytes(p), cudaMemcpyDeviceToDevice));
-    return c;
-}
-
 static void launch(const kda_pool &pool, const DevStep &s, int32_t max_seqs)
 {
     kda_error err = {};
@@ -200,7 +181,7 @@ static Errors oracle_errors(const DevStep &s, const kda_pool &before, const kda_
 
 static void run_and_check(const DevStep &s, kda_pool &pool, const char *what)
 {
-    kda_pool before = clone_pool(pool);
+    kda_pool before = gpu_clone_pool(pool);
     GPU_CHECK(cudaMemset(s.out, 0xff, size_t(s.tokens) * s.heads * D * 2));   /* NaN */
     if (s.states)
         GPU_CHECK(cudaMemset(s.states, 0xff, size_t(s.tokens) * kda_slot_elems(s.heads) * kda_dtype_size(s.dtype)));
@@ -211,7 +192,7 @@ static void run_and_check(const DevStep &s, kda_pool &pool, const char *what)
         fail_msg("%s: out %.5f state %.5f kept %.5f above %.3f (seed %llu)", what, e.out, e.state, e.kept, BOUND,
                  (unsigned long long)seed);
 
-    std::vector<char> now(pool_bytes(pool)), was(pool_bytes(pool));
+    std::vector<char> now(gpu_pool_bytes(pool)), was(gpu_pool_bytes(pool));
     GPU_CHECK(cudaMemcpy(now.data(), pool.state, now.size(), cudaMemcpyDeviceToHost));
     GPU_CHECK(cudaMemcpy(was.data(), before.state, was.size(), cudaMemcpyDeviceToHost));
     const size_t slot_bytes = size_t(kda_slot_elems(pool.heads)) * kda_dtype_size(pool.dtype);
@@ -259,7 +240,7 @@ static void random_steps(void **)
                 const int64_t pool_slots = x.nseqs + 7;
                 DevStep s = make_step(x.heads, lens, shuffled_slots(x.nseqs, pool_slots, seed + 10), dtype, keep,
                                       seed + 100);
-                kda_pool pool = make_pool(x.heads, pool_slots, dtype, seed + 200);
+                kda_pool pool = gpu_make_pool(x.heads, pool_slots, dtype, seed + 200);
                 char what[96];
                 snprintf(what, sizeof what, "%s, %s pool%s", x.name, dt ? "bf16" : "fp32", keep ? ", states kept" : "");
                 run_and_check(s, pool, what);
@@ -273,7 +254,7 @@ static void zero_state_flag(void **)
     DevStep s = make_step(4, {3, 1, 16, 2}, {5, 0, 2, 3}, KDA_DTYPE_F32, true, seed + 300);
     s.seqs[1].flags = s.seqs[3].flags = KDA_SEQ_ZERO_STATE;
     upload_step(s);
-    kda_pool pool = make_pool(4, 6, KDA_DTYPE_F32, seed + 301);
+    kda_pool pool = gpu_make_pool(4, 6, KDA_DTYPE_F32, seed + 301);
     GPU_CHECK(cudaMemset(static_cast<float *>(pool.state), 0xff, kda_slot_elems(4) * sizeof(float)));   /* slot 0: NaN */
     run_and_check(s, pool, "zero-state sequences among others");
     cudaFree(pool.state);
@@ -387,7 +368,7 @@ static void golden_cuts(void **)
 static void graph_replay(void **)
 {
     const int32_t bucket = 64, heads = 8;
-    kda_pool pool = make_pool(heads, 100, KDA_DTYPE_BF16, seed + 400);
+    kda_pool pool = gpu_make_pool(heads, 100, KDA_DTYPE_BF16, seed + 400);
     DevStep shape = make_step(heads, std::vector<int32_t>(bucket, 1), shuffled_slots(bucket, 100, 1), KDA_DTYPE_BF16,
                               false, seed + 401);
     cudaStream_t stream;
@@ -404,7 +385,7 @@ static void graph_replay(void **)
     for (size_t r = 0; r < lens.size(); r++) {
         DevStep s = make_step(heads, lens[r], shuffled_slots(int(lens[r].size()), 100, seed + r), KDA_DTYPE_BF16,
                               r == 2, seed + 500 + r);
-        kda_pool before = clone_pool(pool);
+        kda_pool before = gpu_clone_pool(pool);
         GPU_CHECK(cudaMemset(s.out, 0xff, size_t(s.tokens) * heads * D * 2));
         GPU_CHECK(cudaMemcpy(shape.dev, &s.host, sizeof s.host, cudaMemcpyHostToDevice));   /* the new step */
         GPU_CHECK(cudaGraphLaunch(exec, stream));
@@ -426,9 +407,9 @@ static void graph_replay(void **)
 static void deterministic(void **)
 {
     DevStep s = make_step(16, {1, 7, 3, 16, 1}, {0, 1, 2, 3, 4}, KDA_DTYPE_F32, true, seed + 600);
-    kda_pool p1 = make_pool(16, 5, KDA_DTYPE_F32, seed + 601), p2 = clone_pool(p1);
+    kda_pool p1 = gpu_make_pool(16, 5, KDA_DTYPE_F32, seed + 601), p2 = gpu_clone_pool(p1);
     const size_t out_bytes = size_t(s.tokens) * 16 * D * 2, kept_bytes = size_t(s.tokens) * kda_slot_elems(16) * 4;
-    std::vector<char> o1(out_bytes), o2(out_bytes), k1(kept_bytes), k2(kept_bytes), s1(pool_bytes(p1)), s2(s1.size());
+    std::vector<char> o1(out_bytes), o2(out_bytes), k1(kept_bytes), k2(kept_bytes), s1(gpu_pool_bytes(p1)), s2(s1.size());
     launch(p1, s, s.nseqs);
     GPU_CHECK(cudaMemcpy(o1.data(), s.out, out_bytes, cudaMemcpyDeviceToHost));
     GPU_CHECK(cudaMemcpy(k1.data(), s.states, kept_bytes, cudaMemcpyDeviceToHost));

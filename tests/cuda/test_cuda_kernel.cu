@@ -114,25 +114,6 @@ static void free_batch(DevBatch &b)
     b = DevBatch();
 }
 
-static kda_pool make_pool(int32_t heads, int64_t slots, kda_dtype dtype, uint64_t s)
-{
-    kda_pool p = {nullptr, dtype, heads, slots};
-    const size_t n = size_t(slots) * kda_slot_elems(heads);
-    GPU_CHECK(cudaMalloc(&p.state, n * kda_dtype_size(dtype)));
-    gpu_fill_normal_state(p.state, dtype, n, s, 0.25f);
-    return p;
-}
-
-static size_t pool_bytes(const kda_pool &p) { return size_t(p.slots) * kda_slot_elems(p.heads) * kda_dtype_size(p.dtype); }
-
-static kda_pool clone_pool(const kda_pool &p)
-{
-    kda_pool c = p;
-    GPU_CHECK(cudaMalloc(&c.state, pool_bytes(p)));
-    GPU_CHECK(cudaMemcpy(c.state, p.state, pool_bytes(p), cudaMemcpyDeviceToDevice));
-    return c;
-}
-
 static void launch(kda_pool &pool, const kda_seq *seqs_dev, const int32_t *nseqs_dev, int32_t max_seqs)
 {
     kda_error err = {};
@@ -159,7 +140,7 @@ static void oracle_errors(const DevBatch &b, const kda_pool &before, const kda_p
 /* Poisons the outputs, runs b on `pool`, checks against the oracle and that other slots are untouched. */
 static void run_and_check(DevBatch &b, kda_pool &pool, const char *what)
 {
-    kda_pool before = clone_pool(pool);
+    kda_pool before = gpu_clone_pool(pool);
     GPU_CHECK(cudaMemset(b.out, 0xff, size_t(b.total) * b.heads * KDA_HEAD_DIM * 2));   /* NaN */
     launch(pool, b.seqs_dev, b.nseqs_dev, b.nseqs);
     double oe, se;
@@ -168,7 +149,7 @@ static void run_and_check(DevBatch &b, kda_pool &pool, const char *what)
     if (!(oe <= BOUND && se <= BOUND))
         fail_msg("%s: out %.5f state %.5f above %.3f (seed %llu)", what, oe, se, BOUND, (unsigned long long)seed);
 
-    std::vector<char> now(pool_bytes(pool)), was(pool_bytes(pool));
+    std::vector<char> now(gpu_pool_bytes(pool)), was(gpu_pool_bytes(pool));
     GPU_CHECK(cudaMemcpy(now.data(), pool.state, now.size(), cudaMemcpyDeviceToHost));
     GPU_CHECK(cudaMemcpy(was.data(), before.state, was.size(), cudaMemcpyDeviceToHost));
     const size_t slot_bytes = size_t(kda_slot_elems(pool.heads)) * kda_dtype_size(pool.dtype);
@@ -329,7 +310,7 @@ static void six_workloads(void **unused)
     };
     for (auto &x : w) {
         DevBatch b = make_batch(x.heads, x.lens, iota_slots(x.lens.size(), 1, 2), seed + 100);
-        kda_pool pool = make_pool(x.heads, 2 * int64_t(x.lens.size()) + 2, KDA_DTYPE_F32, seed + 200);
+        kda_pool pool = gpu_make_pool(x.heads, 2 * int64_t(x.lens.size()) + 2, KDA_DTYPE_F32, seed + 200);
         run_and_check(b, pool, x.name);
         cudaFree(pool.state);
         free_batch(b);
@@ -344,7 +325,7 @@ static void varlen_edges(void **unused)
         b.seqs[10].flags = KDA_SEQ_ZERO_STATE;       /* empty and zero-state: the slot becomes zero */
         b.seqs[2].flags = KDA_SEQ_ZERO_STATE;
         upload_seqs(b);
-        kda_pool pool = make_pool(5, 16, dt ? KDA_DTYPE_BF16 : KDA_DTYPE_F32, seed + 400);
+        kda_pool pool = gpu_make_pool(5, 16, dt ? KDA_DTYPE_BF16 : KDA_DTYPE_F32, seed + 400);
         run_and_check(b, pool, dt ? "varlen edges, bf16 pool" : "varlen edges, fp32 pool");
         std::vector<float> slot(kda_slot_elems(5));
         if (!dt) {
@@ -365,7 +346,7 @@ static void many_short_sequences(void **unused)
     for (auto &l : lens)
         l = rand() % 90;
     DevBatch b = make_batch(3, lens, iota_slots(lens.size()), seed + 500);
-    kda_pool pool = make_pool(3, int64_t(lens.size()), KDA_DTYPE_F32, seed + 600);
+    kda_pool pool = gpu_make_pool(3, int64_t(lens.size()), KDA_DTYPE_F32, seed + 600);
     run_and_check(b, pool, "1500 short sequences, H=3");
     cudaFree(pool.state);
     free_batch(b);
@@ -374,7 +355,7 @@ static void many_short_sequences(void **unused)
 static void long_sequence(void **unused)
 {
     DevBatch b = make_batch(2, {100003}, {0}, seed + 700);
-    kda_pool pool = make_pool(2, 1, KDA_DTYPE_F32, seed + 800);
+    kda_pool pool = gpu_make_pool(2, 1, KDA_DTYPE_F32, seed + 800);
     run_and_check(b, pool, "one sequence of 100003 tokens, H=2");
     cudaFree(pool.state);
     free_batch(b);
@@ -383,7 +364,7 @@ static void long_sequence(void **unused)
 static void sequences_in_separate_buffers(void **unused)
 {
     DevBatch a = make_batch(4, {300, 45}, {0, 1}, seed + 900), c = make_batch(4, {129, 0, 77}, {2, 3, 4}, seed + 901);
-    kda_pool pool = make_pool(4, 5, KDA_DTYPE_F32, seed + 902), before = clone_pool(pool);
+    kda_pool pool = gpu_make_pool(4, 5, KDA_DTYPE_F32, seed + 902), before = gpu_clone_pool(pool);
     std::vector<kda_seq> all(a.seqs.begin(), a.seqs.begin() + a.nseqs);
     all.insert(all.end(), c.seqs.begin(), c.seqs.begin() + c.nseqs);
     kda_seq *dseqs;
@@ -411,7 +392,7 @@ static void graph_replay(void **unused)
     int32_t *count;
     GPU_CHECK(cudaMalloc(&table, sizeof(kda_seq) * bucket));
     GPU_CHECK(cudaMalloc(&count, sizeof(int32_t)));
-    kda_pool pool = make_pool(heads, 24, KDA_DTYPE_F32, seed + 1000);
+    kda_pool pool = gpu_make_pool(heads, 24, KDA_DTYPE_F32, seed + 1000);
     cudaStream_t stream;
     GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     cudaGraph_t graph;
@@ -426,7 +407,7 @@ static void graph_replay(void **unused)
     const std::vector<std::vector<int64_t>> slots = {{3, 9, 4}, {0, 1, 2, 5, 6, 7, 8, 10}, {23}};
     for (size_t r = 0; r < lens.size(); r++) {
         DevBatch b = make_batch(heads, lens[r], slots[r], seed + 1100 + r);
-        kda_pool before = clone_pool(pool);
+        kda_pool before = gpu_clone_pool(pool);
         GPU_CHECK(cudaMemset(b.out, 0xff, size_t(b.total) * heads * KDA_HEAD_DIM * 2));
         GPU_CHECK(cudaMemcpy(table, b.seqs.data(), sizeof(kda_seq) * b.nseqs, cudaMemcpyHostToDevice));
         GPU_CHECK(cudaMemcpy(count, &b.nseqs, sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -450,9 +431,9 @@ static void graph_replay(void **unused)
 static void deterministic(void **unused)
 {
     DevBatch b = make_batch(8, {700, 300, 1025}, {0, 1, 2}, seed + 1200);
-    kda_pool p1 = make_pool(8, 3, KDA_DTYPE_F32, seed + 1201), p2 = clone_pool(p1);
+    kda_pool p1 = gpu_make_pool(8, 3, KDA_DTYPE_F32, seed + 1201), p2 = gpu_clone_pool(p1);
     const size_t out_bytes = size_t(b.total) * 8 * KDA_HEAD_DIM * 2;
-    std::vector<char> o1(out_bytes), o2(out_bytes), s1(pool_bytes(p1)), s2(pool_bytes(p1));
+    std::vector<char> o1(out_bytes), o2(out_bytes), s1(gpu_pool_bytes(p1)), s2(gpu_pool_bytes(p1));
     launch(p1, b.seqs_dev, b.nseqs_dev, b.nseqs);
     GPU_CHECK(cudaMemcpy(o1.data(), b.out, out_bytes, cudaMemcpyDeviceToHost));
     GPU_CHECK(cudaMemset(b.out, 0, out_bytes));
@@ -478,7 +459,7 @@ static void split_edges(void **unused)
         b.seqs[2].flags = KDA_SEQ_ZERO_STATE;        /* empty: the slot becomes zero */
         b.seqs[3].flags = KDA_SEQ_ZERO_STATE;        /* cut, from a zero state */
         upload_seqs(b);
-        kda_pool pool = make_pool(2, 11, dt ? KDA_DTYPE_BF16 : KDA_DTYPE_F32, seed + 1400);
+        kda_pool pool = gpu_make_pool(2, 11, dt ? KDA_DTYPE_BF16 : KDA_DTYPE_F32, seed + 1400);
         run_and_check(b, pool, dt ? "split edges, bf16 pool" : "split edges, fp32 pool");
         cudaFree(pool.state);
         free_batch(b);
@@ -496,7 +477,7 @@ static void split_long(void **unused)
     };
     for (auto &x : w) {
         DevBatch b = make_batch(x.heads, x.lens, iota_slots(x.lens.size(), 1), seed + 1500, x.lb);
-        kda_pool pool = make_pool(x.heads, int64_t(x.lens.size()) + 1, x.dtype, seed + 1600);
+        kda_pool pool = gpu_make_pool(x.heads, int64_t(x.lens.size()) + 1, x.dtype, seed + 1600);
         run_and_check(b, pool, x.name);
         cudaFree(pool.state);
         free_batch(b);
@@ -514,7 +495,7 @@ static void split_recompute(void **unused)
     for (auto &x : w) {
         kda_cuda_set_split_outputs(cu, x.cap_tokens * x.heads * D);
         DevBatch b = make_batch(x.heads, x.lens, iota_slots(x.lens.size(), 1), seed + 1550, x.lb);
-        kda_pool pool = make_pool(x.heads, int64_t(x.lens.size()) + 1, KDA_DTYPE_F32, seed + 1650);
+        kda_pool pool = gpu_make_pool(x.heads, int64_t(x.lens.size()) + 1, KDA_DTYPE_F32, seed + 1650);
         run_and_check(b, pool, x.name);
         cudaFree(pool.state);
         free_batch(b);
@@ -530,7 +511,7 @@ static void split_graph_replay(void **unused)
     int32_t *count;
     GPU_CHECK(cudaMalloc(&table, sizeof(kda_seq) * bucket));
     GPU_CHECK(cudaMalloc(&count, sizeof(int32_t)));
-    kda_pool pool = make_pool(heads, 6, KDA_DTYPE_F32, seed + 1700);
+    kda_pool pool = gpu_make_pool(heads, 6, KDA_DTYPE_F32, seed + 1700);
     cudaStream_t stream;
     GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     cudaGraph_t graph;
@@ -545,7 +526,7 @@ static void split_graph_replay(void **unused)
     const std::vector<std::vector<int64_t>> slots = {{3, 1}, {5}, {0, 2}};
     for (size_t r = 0; r < lens.size(); r++) {
         DevBatch b = make_batch(heads, lens[r], slots[r], seed + 1800 + r);
-        kda_pool before = clone_pool(pool);
+        kda_pool before = gpu_clone_pool(pool);
         GPU_CHECK(cudaMemset(b.out, 0xff, size_t(b.total) * heads * KDA_HEAD_DIM * 2));
         GPU_CHECK(cudaMemcpy(table, b.seqs.data(), sizeof(kda_seq) * b.nseqs, cudaMemcpyHostToDevice));
         GPU_CHECK(cudaMemcpy(count, &b.nseqs, sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -569,9 +550,9 @@ static void split_graph_replay(void **unused)
 static void split_deterministic(void **unused)
 {
     DevBatch b = make_batch(8, {20000}, {0}, seed + 1900);
-    kda_pool p1 = make_pool(8, 1, KDA_DTYPE_F32, seed + 1901), p2 = clone_pool(p1);
+    kda_pool p1 = gpu_make_pool(8, 1, KDA_DTYPE_F32, seed + 1901), p2 = gpu_clone_pool(p1);
     const size_t out_bytes = size_t(b.total) * 8 * KDA_HEAD_DIM * 2;
-    std::vector<char> o1(out_bytes), o2(out_bytes), s1(pool_bytes(p1)), s2(pool_bytes(p1));
+    std::vector<char> o1(out_bytes), o2(out_bytes), s1(gpu_pool_bytes(p1)), s2(gpu_pool_bytes(p1));
     launch(p1, b.seqs_dev, b.nseqs_dev, b.nseqs);
     GPU_CHECK(cudaMemcpy(o1.data(), b.out, out_bytes, cudaMemcpyDeviceToHost));
     GPU_CHECK(cudaMemset(b.out, 0, out_bytes));
