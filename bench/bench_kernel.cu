@@ -72,6 +72,36 @@ struct Result {
 
 static const double COPY_BYTES_PER_S = 4.27e12;   /* measured device copy rate (PERF-ANCHORS.md) */
 
+/* A run's device inputs: q, k, v, g, beta N(0, 1) in bf16, an output block, and a layer whose
+ * A_log and dt_bias are U(0, 1), from seeds seed .. seed + 6 (the caller cudaFrees each). */
+struct Inputs {
+    uint16_t *q, *k, *v, *g, *beta, *out;
+    float *a_log, *dt_bias;
+    kda_layer *layer;
+};
+
+static Inputs make_inputs(int64_t T, int32_t H, uint64_t seed)
+{
+    const size_t tok = size_t(T) * H * KDA_HEAD_DIM;
+    Inputs in;
+    for (uint16_t **p : {&in.q, &in.k, &in.v, &in.g, &in.out})
+        GPU_CHECK(cudaMalloc(p, tok * 2));
+    GPU_CHECK(cudaMalloc(&in.beta, size_t(T) * H * 2));
+    gpu_fill_normal_bf16(in.q, tok, seed, 0, 1);
+    gpu_fill_normal_bf16(in.k, tok, seed + 1, 0, 1);
+    gpu_fill_normal_bf16(in.v, tok, seed + 2, 0, 1);
+    gpu_fill_normal_bf16(in.g, tok, seed + 3, 0, 1);
+    gpu_fill_normal_bf16(in.beta, size_t(T) * H, seed + 4, 0, 1);
+    GPU_CHECK(cudaMalloc(&in.a_log, sizeof(float) * H));
+    GPU_CHECK(cudaMalloc(&in.dt_bias, sizeof(float) * H * KDA_HEAD_DIM));
+    gpu_fill_uniform_f32(in.a_log, H, seed + 5, 0, 1);
+    gpu_fill_uniform_f32(in.dt_bias, size_t(H) * KDA_HEAD_DIM, seed + 6, 0, 1);
+    const kda_layer layer = {in.a_log, in.dt_bias, -5.0f, 0.08838834764831845f};
+    GPU_CHECK(cudaMalloc(&in.layer, sizeof layer));
+    GPU_CHECK(cudaMemcpy(in.layer, &layer, sizeof layer, cudaMemcpyHostToDevice));
+    return in;
+}
+
 static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t flush_bytes)
 {
     const int32_t H = w.heads, N = int32_t(w.lens.size());
@@ -81,24 +111,7 @@ static Result run(const Workload &w, kda_cuda *cu, int reps, void *flush, size_t
     for (int64_t l : lens)
         T += l;
     const size_t tok = size_t(T) * H * KDA_HEAD_DIM;
-    uint16_t *q, *k, *v, *g, *beta, *out;
-    for (uint16_t **p : {&q, &k, &v, &g, &out})
-        GPU_CHECK(cudaMalloc(p, tok * 2));
-    GPU_CHECK(cudaMalloc(&beta, size_t(T) * H * 2));
-    gpu_fill_normal_bf16(q, tok, 11, 0, 1);
-    gpu_fill_normal_bf16(k, tok, 12, 0, 1);
-    gpu_fill_normal_bf16(v, tok, 13, 0, 1);
-    gpu_fill_normal_bf16(g, tok, 14, 0, 1);
-    gpu_fill_normal_bf16(beta, size_t(T) * H, 15, 0, 1);
-    float *a_log, *dt_bias;
-    GPU_CHECK(cudaMalloc(&a_log, sizeof(float) * H));
-    GPU_CHECK(cudaMalloc(&dt_bias, sizeof(float) * H * KDA_HEAD_DIM));
-    gpu_fill_uniform_f32(a_log, H, 16, 0, 1);
-    gpu_fill_uniform_f32(dt_bias, size_t(H) * KDA_HEAD_DIM, 17, 0, 1);
-    const kda_layer layer = {a_log, dt_bias, -5.0f, 0.08838834764831845f};
-    kda_layer *dlayer;
-    GPU_CHECK(cudaMalloc(&dlayer, sizeof layer));
-    GPU_CHECK(cudaMemcpy(dlayer, &layer, sizeof layer, cudaMemcpyHostToDevice));
+    auto [q, k, v, g, beta, out, a_log, dt_bias, dlayer] = make_inputs(T, H, 11);
 
     kda_pool pool = {nullptr, KDA_DTYPE_F32, H, N}, before = pool;
     const size_t pool_bytes = size_t(N) * kda_slot_elems(H) * 4;
@@ -226,24 +239,7 @@ static DecodeResult run_decode(const DecodeWorkload &w, kda_cuda *cu, int reps, 
     const int32_t H = w.heads, N = w.nseqs, T = w.nseqs * w.tokens;
     const size_t tok = size_t(T) * H * KDA_HEAD_DIM, esize = kda_dtype_size(w.dtype);
     const size_t state_bytes = size_t(N) * kda_slot_elems(H) * esize;
-    uint16_t *q, *k, *v, *g, *beta, *out;
-    for (uint16_t **p : {&q, &k, &v, &g, &out})
-        GPU_CHECK(cudaMalloc(p, tok * 2));
-    GPU_CHECK(cudaMalloc(&beta, size_t(T) * H * 2));
-    gpu_fill_normal_bf16(q, tok, 21, 0, 1);
-    gpu_fill_normal_bf16(k, tok, 22, 0, 1);
-    gpu_fill_normal_bf16(v, tok, 23, 0, 1);
-    gpu_fill_normal_bf16(g, tok, 24, 0, 1);
-    gpu_fill_normal_bf16(beta, size_t(T) * H, 25, 0, 1);
-    float *a_log, *dt_bias;
-    GPU_CHECK(cudaMalloc(&a_log, sizeof(float) * H));
-    GPU_CHECK(cudaMalloc(&dt_bias, sizeof(float) * H * KDA_HEAD_DIM));
-    gpu_fill_uniform_f32(a_log, H, 26, 0, 1);
-    gpu_fill_uniform_f32(dt_bias, size_t(H) * KDA_HEAD_DIM, 27, 0, 1);
-    const kda_layer layer = {a_log, dt_bias, -5.0f, 0.08838834764831845f};
-    kda_layer *dlayer;
-    GPU_CHECK(cudaMalloc(&dlayer, sizeof layer));
-    GPU_CHECK(cudaMemcpy(dlayer, &layer, sizeof layer, cudaMemcpyHostToDevice));
+    auto [q, k, v, g, beta, out, a_log, dt_bias, dlayer] = make_inputs(T, H, 21);
 
     kda_pool pool = {nullptr, w.dtype, H, N}, before = pool;
     void *copy_dst, *kept = nullptr;
