@@ -29,10 +29,24 @@ typedef struct kda_cuda kda_cuda;
 /*
  * Binds a backend to a device: checks for sm_90 and enough shared memory,
  * raises the kernel's shared-memory limit and allocates the scheduler's
- * counters.  Returns KDA_ENOTSUP when no usable GPU is present.
+ * counters and the split path's scratch (kda_cuda_set_split), its outputs
+ * scratch at KDA_CUDA_SPLIT_SCRATCH_DEFAULT bytes.  Returns KDA_ENOTSUP when
+ * no usable GPU is present.
  */
 int kda_cuda_create(int device, kda_cuda **out, kda_error *err);
+/* The same with an outputs scratch of split_scratch_bytes (rounded down to whole bf16 values;
+   0: none, every cut segment is recomputed). */
+int kda_cuda_create_with_scratch(int device, uint64_t split_scratch_bytes, kda_cuda **out,
+                                 kda_error *err);
 void kda_cuda_destroy(kda_cuda *cuda);
+
+/* The split path's outputs scratch kda_cuda_create allocates: 2^27 bf16 values, 256 MiB. */
+#define KDA_CUDA_SPLIT_SCRATCH_DEFAULT ((uint64_t)256 << 20)
+
+/* Device memory the instance holds, in bytes: all of it, and of that the split path's outputs
+   scratch (the rest: the scheduler counters, the split path's states and descriptors). */
+uint64_t kda_cuda_device_bytes(const kda_cuda *cuda);
+uint64_t kda_cuda_split_scratch_bytes(const kda_cuda *cuda);
 
 /* Device name and SM count, for logs and hello. */
 const char *kda_cuda_device_name(const kda_cuda *cuda);
@@ -104,8 +118,8 @@ int kda_cuda_step(kda_cuda *cuda, const kda_pool *pool, const kda_step *step_dev
  * (shorter sequences run whole); the launch is then five kernels instead of
  * one (plan, pass 1, scan, correction, pass 3).  Each segment's outputs are
  * corrected from its initial state when the batch's tokens fit a scratch
- * allocated by kda_cuda_create (256 MiB: 2^27 values, e.g. H = 8 x 131072
- * tokens); past it the segments are recomputed from their initial states.
+ * allocated by kda_cuda_create (by default 256 MiB: 2^27 values, e.g. H = 8 x
+ * 131072 tokens); past it the segments are recomputed from their initial states.
  * The choice of the path depends only on max_seqs, heads and the GPU, so a
  * captured graph stays valid for any batch of its bucket.  OFF never cuts;
  * ALWAYS cuts whenever two segments fit, down to 64 tokens a segment (tests).

@@ -31,8 +31,10 @@ struct kda_cuda {
     float *split_states;         /* device: the split path's scratch states (kda_split_scratch_states) */
     kda_seq *split_table;        /* device: its descriptors (kda_split_table_entries) */
     int32_t *split_counts;       /* device: their two counts */
-    uint16_t *split_outputs;     /* device: the outputs scratch of the correction (KDA_SPLIT_OUTPUT_ELEMS) */
+    uint16_t *split_outputs;     /* device: the outputs scratch of the correction, NULL when none */
+    int64_t split_output_alloc;  /* its size in bf16 values */
     int64_t split_output_elems;  /* how much of it the split path uses (kda_cuda_set_split_outputs) */
+    uint64_t device_bytes;       /* all of the above in device memory */
 };
 
 static int cuda_fail(kda_error *err, cudaError_t e, const char *what)
@@ -41,6 +43,12 @@ static int cuda_fail(kda_error *err, cudaError_t e, const char *what)
 }
 
 extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
+{
+    return kda_cuda_create_with_scratch(device, KDA_CUDA_SPLIT_SCRATCH_DEFAULT, out, err);
+}
+
+extern "C" int kda_cuda_create_with_scratch(int device, uint64_t split_scratch_bytes, kda_cuda **out,
+                                            kda_error *err)
 {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
@@ -77,17 +85,24 @@ extern "C" int kda_cuda_create(int device, kda_cuda **out, kda_error *err)
         return cuda_fail(err, e, "cudaOccupancyMaxActiveClusters");
     }
     snprintf(cuda->name, sizeof cuda->name, "%s", prop.name);
-    cuda->split_output_elems = KDA_SPLIT_OUTPUT_ELEMS;
+    cuda->split_output_alloc = cuda->split_output_elems = int64_t(split_scratch_bytes / sizeof(uint16_t));
     const size_t states = kda_split_scratch_states(cuda->sm_count), entries = kda_split_table_entries(cuda->sm_count);
-    if ((e = cudaMalloc(&cuda->sched, sizeof *cuda->sched)) != cudaSuccess ||
-        (e = cudaMemset(cuda->sched, 0, sizeof *cuda->sched)) != cudaSuccess ||
-        (e = cudaMalloc(&cuda->split_states, states * KDA_HEAD_DIM * KDA_HEAD_DIM * sizeof(float))) != cudaSuccess ||
-        (e = cudaMalloc(&cuda->split_table, entries * sizeof(kda_seq))) != cudaSuccess ||
-        (e = cudaMalloc(&cuda->split_counts, 2 * sizeof(int32_t))) != cudaSuccess ||
-        (e = cudaMalloc(&cuda->split_outputs, KDA_SPLIT_OUTPUT_ELEMS * sizeof(uint16_t))) != cudaSuccess ||
+    const size_t sizes[5] = {sizeof *cuda->sched, states * KDA_HEAD_DIM * KDA_HEAD_DIM * sizeof(float),
+                             entries * sizeof(kda_seq), 2 * sizeof(int32_t),
+                             size_t(cuda->split_output_alloc) * sizeof(uint16_t)};
+    void **ptrs[5] = {(void **)&cuda->sched, (void **)&cuda->split_states, (void **)&cuda->split_table,
+                      (void **)&cuda->split_counts, (void **)&cuda->split_outputs};
+    e = cudaSuccess;
+    for (int i = 0; i < 5 && e == cudaSuccess; i++) {
+        if (sizes[i] && (e = cudaMalloc(ptrs[i], sizes[i])) == cudaSuccess)
+            cuda->device_bytes += sizes[i];
+    }
+    if (e != cudaSuccess || (e = cudaMemset(cuda->sched, 0, sizeof *cuda->sched)) != cudaSuccess ||
         (e = cudaDeviceSynchronize()) != cudaSuccess) {
         kda_cuda_destroy(cuda);
-        return cuda_fail(err, e, "allocating the scheduler counters and the split path's scratch");
+        return kda_fail(err, KDA_EDEVICE, "allocating the scheduler counters and the split path's scratch "
+                        "(%llu MiB of outputs): %s", (unsigned long long)(split_scratch_bytes >> 20),
+                        cudaGetErrorString(e));
     }
     *out = cuda;
     return KDA_OK;
@@ -112,7 +127,12 @@ extern "C" void kda_cuda_set_pairing(kda_cuda *cuda, kda_cuda_pairing pairing) {
 extern "C" void kda_cuda_set_split(kda_cuda *cuda, kda_cuda_split split) { cuda->split = split; }
 extern "C" void kda_cuda_set_split_outputs(kda_cuda *cuda, int64_t elems)
 {
-    cuda->split_output_elems = elems < 0 || elems > KDA_SPLIT_OUTPUT_ELEMS ? KDA_SPLIT_OUTPUT_ELEMS : elems;
+    cuda->split_output_elems = elems < 0 || elems > cuda->split_output_alloc ? cuda->split_output_alloc : elems;
+}
+extern "C" uint64_t kda_cuda_device_bytes(const kda_cuda *cuda) { return cuda->device_bytes; }
+extern "C" uint64_t kda_cuda_split_scratch_bytes(const kda_cuda *cuda)
+{
+    return uint64_t(cuda->split_output_alloc) * sizeof(uint16_t);
 }
 
 __global__ void store_word_kernel(unsigned long long *const *dst, const unsigned long long *src)

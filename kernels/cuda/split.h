@@ -33,9 +33,6 @@
 
 /* The most segments one sequence is cut into (the scan is serial over them). */
 constexpr int KDA_SPLIT_MAX_SEGS = 16;
-/* The outputs scratch (qeff, bf16 like the outputs): 2^27 values, 256 MiB (H = 8 x 131072 tokens). */
-constexpr int64_t KDA_SPLIT_OUTPUT_ELEMS = int64_t(1) << 27;
-
 /*
  * Segments per sequence for a batch of max_seqs x heads chains on sm_count
  * SMs: pass 1 runs two chains per segment and head, one CTA each, so

@@ -503,6 +503,29 @@ static void split_recompute(void **unused)
     kda_cuda_set_split_outputs(cu, -1);
 }
 
+/* An instance created without the outputs scratch (kda_cuda_create_with_scratch 0): it holds exactly the
+   default scratch less, and cuts every 64 tokens, recomputing each segment, still match the oracle. */
+static void split_without_scratch(void **unused)
+{
+    kda_cuda *none;
+    kda_error err;
+    assert_int_equal(kda_cuda_create_with_scratch(0, 0, &none, &err), KDA_OK);
+    assert_int_equal(kda_cuda_split_scratch_bytes(none), 0);
+    assert_int_equal(kda_cuda_split_scratch_bytes(cu), KDA_CUDA_SPLIT_SCRATCH_DEFAULT);
+    assert_int_equal(kda_cuda_device_bytes(cu) - kda_cuda_device_bytes(none), KDA_CUDA_SPLIT_SCRATCH_DEFAULT);
+    kda_cuda_set_split(none, KDA_CUDA_SPLIT_ALWAYS);
+    kda_cuda *with = cu;
+    cu = none;   /* launch() runs on cu */
+    const std::vector<int64_t> lens = {1000, 200, 65};
+    DevBatch b = make_batch(2, lens, iota_slots(lens.size(), 1), seed + 1580);
+    kda_pool pool = gpu_make_pool(2, 5, KDA_DTYPE_F32, seed + 1680);
+    run_and_check(b, pool, "H2 x {1000, 200, 65} cut, no scratch");
+    cu = with;
+    cudaFree(pool.state);
+    free_batch(b);
+    kda_cuda_destroy(none);
+}
+
 /* One captured launch (a bucket of 2 sequences, H = 4: split) replayed with batches cut and not cut. */
 static void split_graph_replay(void **unused)
 {
@@ -656,7 +679,8 @@ int main()
         };
         const struct CMUnitTest split_auto_tests[] = {
             cmocka_unit_test(split_long),          cmocka_unit_test(split_recompute),
-            cmocka_unit_test(split_graph_replay),  cmocka_unit_test(split_deterministic),
+            cmocka_unit_test(split_without_scratch), cmocka_unit_test(split_graph_replay),
+            cmocka_unit_test(split_deterministic),
         };
         const struct CMUnitTest split_always_tests[] = {cmocka_unit_test(golden_cases), cmocka_unit_test(split_edges)};
         failed = cmocka_run_group_tests_name("automatic pairing", tests, pairing_auto, nullptr) +
