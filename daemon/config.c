@@ -74,6 +74,7 @@ static const key_spec schema[] = {
     {"backend", K_ENUM, OFF(backend), 0, 0, 0, backend_choices},
     {"device", K_DEVICE, OFF(device), 0, 0, 1023, NULL},
     {"cuda_completion", K_ENUM, OFF(cuda_completion), 0, 0, 0, completion_choices},
+    SIZE("cuda_split_scratch", OFF(cuda_split_scratch), 0, 1ull << 36),
     U32("cpu_threads", cpu_threads, 0, 1024),
     U32("heads", heads, 1, KP_MAX_HEADS),
     U32("slots", slots, 1, KD_MAX_SLOTS),
@@ -787,6 +788,10 @@ static int check(kd_config *c, cerr *e)
                            "buckets must be strictly increasing (%u after %u)",
                            c->graph_buckets[i], c->graph_buckets[i - 1]);
     }
+    if (c->cuda_split_scratch % 2)
+        return fail_at(e, mark_of(c, "cuda_split_scratch"), "cuda_split_scratch",
+                       "%llu is odd: the scratch holds bf16 values of 2 bytes",
+                       (unsigned long long)c->cuda_split_scratch);
     if (c->ngraph_buckets &&
         c->graph_buckets[c->ngraph_buckets - 1] < c->limits.max_batch_seqs)
         return fail_at(e, mark_of(c, "batching.graph_buckets"), "batching.graph_buckets",

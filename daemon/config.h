@@ -68,6 +68,7 @@ typedef struct kd_config {
     /* backend and pool */
     kd_backend_kind backend;
     kd_cuda_completion cuda_completion;
+    uint64_t cuda_split_scratch; /* bytes of the split path's outputs scratch per kernel instance */
     char *device;             /* "N" (CUDA ordinal) or "GPU-..." (a GPU UUID, or a unique
                                  prefix of one); the cuda backend resolves it */
     uint32_t cpu_threads;     /* 0 = one per online CPU */

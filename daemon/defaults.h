@@ -71,6 +71,7 @@
 #define KD_DEFAULT_METRICS_INTERVAL_MS 10000u    /* metrics.interval_ms */
 
 /* CUDA backend */
+#define KD_DEFAULT_CUDA_SPLIT_SCRATCH (256ull << 20) /* cuda_split_scratch (KDA_CUDA_SPLIT_SCRATCH_DEFAULT) */
 #define KD_CUDA_DEPTH 2               /* fixed: batches queued on the stream (double buffering) */
 #define KD_CUDA_POLL_NS 2000          /* fixed: cuda_completion poll: how often the completion thread asks a running batch's event */
 #define KD_CUDA_FAULT_POLL_NS 100000  /* fixed: cuda_completion poll: how often a batch watched through its done word is asked for a device fault */

@@ -47,6 +47,7 @@ static void test_builtin_default(void **unused)
     assert_int_equal(kd_config_load(&c, NULL, NULL, err, sizeof(err)), 0);
     assert_int_equal(c.backend, KD_BACKEND_AUTO);
     assert_int_equal(c.cuda_completion, KD_CUDA_COMPLETION_POLL);
+    assert_true(c.cuda_split_scratch == KD_DEFAULT_CUDA_SPLIT_SCRATCH);
     assert_int_equal(c.heads, KD_DEFAULT_HEADS);
     assert_int_equal(c.slots, KD_DEFAULT_SLOTS);
     assert_int_equal(c.state_dtype, KP_DTYPE_F32);
@@ -104,7 +105,7 @@ static void test_builtin_default(void **unused)
     /* config/kdad.yaml documents every key (each appears as "key:") */
     static const char *const keys[] = {
         "socket:", "path:", "mode:", "group:", "access:", "allowed_uids:", "allowed_gids:",
-        "backend:", "device:", "cuda_completion:", "cpu_threads:", "heads:", "slots:", "state_dtype:",
+        "backend:", "device:", "cuda_completion:", "cuda_split_scratch:", "cpu_threads:", "heads:", "slots:", "state_dtype:",
         "slots_persist:", "limits:", "max_frame_bytes:", "max_inline_bytes:",
         "max_batch_tokens:", "max_batch_seqs:", "max_seqs_per_request:",
         "max_slots_per_client:", "max_regions_per_client:", "max_inflight_requests:",
@@ -130,6 +131,7 @@ static void test_file_over_default(void **unused)
                        "heads: 8\n"
                        "state_dtype: bf16\n"
                        "cuda_completion: block\n"
+                       "cuda_split_scratch: 0\n"
                        "slots_persist: true\n"
                        "socket:\n  path: /tmp/k.sock\n  mode: 0600\n"
                        "access:\n  allowed_uids: [0, 1000]\n  allowed_gids: [27]\n"
@@ -144,6 +146,7 @@ static void test_file_over_default(void **unused)
     assert_int_equal(c.heads, 8);
     assert_int_equal(c.state_dtype, KP_DTYPE_BF16);
     assert_int_equal(c.cuda_completion, KD_CUDA_COMPLETION_BLOCK);
+    assert_true(c.cuda_split_scratch == 0);
     assert_true(c.slots_persist);
     assert_string_equal(c.socket_path, "/tmp/k.sock");
     assert_int_equal(c.socket_mode, 0600);
@@ -183,6 +186,10 @@ static void test_bad_values_name_the_place(void **unused)
     refused("backend: gpu\n", "t.yaml:1:10: backend: \"gpu\" is not one of: auto, cpu, cuda");
     refused("cuda_completion: spin\n",
             "t.yaml:1:18: cuda_completion: \"spin\" is not one of: poll, block");
+    refused("cuda_split_scratch: 65GiB\n",
+            "t.yaml:1:21: cuda_split_scratch: 65GiB is outside [0, 68719476736]");
+    refused("heads: 8\ncuda_split_scratch: 1001\n",
+            "t.yaml:2:21: cuda_split_scratch: 1001 is odd: the scratch holds bf16 values of 2 bytes");
     refused("log:\n  level: loud\n",
             "t.yaml:2:10: log.level: \"loud\" is not one of: error, warning, notice, info, debug");
     refused("heads: 8\nheads: 9\n", "t.yaml:2:1: key \"heads\" given twice (first at line 1)");
