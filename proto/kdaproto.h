@@ -521,6 +521,18 @@ typedef struct kp_gpu {
                                shared, or an older daemon that does not say) */
 } kp_gpu;
 
+/* The memory kdad holds for its backend, bytes by use (hello and stats "memory"): device
+ * memory with the cuda backend, host memory with the cpu backend (its pool alone). */
+typedef struct kp_memory {
+    uint64_t pool;     /* the state pool */
+    uint64_t staging;  /* staging buffers and launch tables */
+    uint64_t scratch;  /* the split path's outputs scratch (config cuda_split_scratch) */
+    uint64_t kernel;   /* the kernel instance's other buffers: counters, split states, descriptors */
+    uint64_t lanes;    /* the gated lanes: a kernel instance (its scratch included) and a table each */
+    uint64_t layers;   /* layer weights copied where the kernel reads them */
+    uint64_t total;    /* all of the above */
+} kp_memory;
+
 typedef struct kp_hello_result {
     uint32_t version;          /* the version chosen for this connection */
     const char *server;        /* "kdad 0.1.0" */
@@ -534,6 +546,8 @@ typedef struct kp_hello_result {
     const char *const *features; /* optional extensions on (KP_FEATURE_*) */
     uint32_t nfeatures;
     kp_limits limits;
+    bool has_memory;           /* memory is valid (older daemons do not send it) */
+    kp_memory memory;
 } kp_hello_result;
 
 int kp_hello_params_encode(kp_writer *w, uint32_t id, const kp_hello_params *p, kp_error *err);
@@ -644,6 +658,9 @@ typedef struct kp_stats_result {
     uint32_t batch_window;       /* recent batches the quantiles cover */
     const kp_phase *phases;      /* 0..KP_STATS_MAX_PHASES */
     uint32_t nphases;
+    /* "memory": the backend's memory by use now; absent from older daemons */
+    bool has_memory;
+    kp_memory memory;
 } kp_stats_result;
 
 #define KP_STATS_MAX_PHASES 32   /* phases accepted in "batch_us" */

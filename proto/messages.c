@@ -211,7 +211,37 @@ static int decode_limits(kp_msg *msg, const msgpack_object *o, kp_limits *l, kp_
 
 static const char *const hello_result_fields[] = {
     "version", "server", "instance", "backend", "gpu", "heads", "head_dim", "slots",
-    "state_dtype", "transports", "slots_persist", "features", "limits", NULL};
+    "state_dtype", "transports", "slots_persist", "features", "limits", "memory", NULL};
+static const char *const memory_fields[] = {"pool", "staging", "scratch", "kernel", "lanes",
+                                            "layers", "total", NULL};
+
+static void encode_memory(kp_writer *w, const kp_memory *m)
+{
+    enc_key(w, "memory");
+    enc_map(w, 7);
+    enc_kv_u64(w, "pool", m->pool);
+    enc_kv_u64(w, "staging", m->staging);
+    enc_kv_u64(w, "scratch", m->scratch);
+    enc_kv_u64(w, "kernel", m->kernel);
+    enc_kv_u64(w, "lanes", m->lanes);
+    enc_kv_u64(w, "layers", m->layers);
+    enc_kv_u64(w, "total", m->total);
+}
+
+static int decode_memory(kp_msg *msg, const msgpack_object *o, kp_memory *m, kp_error *err)
+{
+    dec_fields f;
+    int rc = dec_open(&f, msg, o, "memory", memory_fields, DEC_LENIENT, KP_E_PROTOCOL, err);
+    if (rc || (rc = dec_u64(&f, "pool", 0, UINT64_MAX, &m->pool, NULL, err)) ||
+        (rc = dec_u64(&f, "staging", 0, UINT64_MAX, &m->staging, NULL, err)) ||
+        (rc = dec_u64(&f, "scratch", 0, UINT64_MAX, &m->scratch, NULL, err)) ||
+        (rc = dec_u64(&f, "kernel", 0, UINT64_MAX, &m->kernel, NULL, err)) ||
+        (rc = dec_u64(&f, "lanes", 0, UINT64_MAX, &m->lanes, NULL, err)) ||
+        (rc = dec_u64(&f, "layers", 0, UINT64_MAX, &m->layers, NULL, err)) ||
+        (rc = dec_u64(&f, "total", 0, UINT64_MAX, &m->total, NULL, err)))
+        return rc;
+    return KP_OK;
+}
 static const char *const gpu_fields[] = {"name", "uuid", "index", "pci_bus_id", "mps", NULL};
 static const char *const transport_names[] = {"inline", "shm", "cuda_ipc", NULL};
 
@@ -223,7 +253,7 @@ int kp_hello_result_encode(kp_writer *w, uint32_t id, const kp_hello_result *r, 
     if (r->has_gpu && ((rc = enc_need_str(r->gpu.name, "gpu.name", err)) ||
                        (rc = enc_need_str(r->gpu.uuid, "gpu.uuid", err))))
         return rc;
-    enc_result(w, id, 13);
+    enc_result(w, id, 13 + r->has_memory);
     enc_kv_u64(w, "version", r->version);
     enc_kv_str(w, "server", r->server);
     enc_kv_u64(w, "instance", r->instance);
@@ -260,6 +290,8 @@ int kp_hello_result_encode(kp_writer *w, uint32_t id, const kp_hello_result *r, 
     for (uint32_t i = 0; i < r->nfeatures; i++)
         enc_str(w, r->features[i]);
     encode_limits(w, &r->limits);
+    if (r->has_memory)
+        encode_memory(w, &r->memory);
     return enc_finish(w, err);
 }
 
@@ -324,7 +356,7 @@ static int decode_features(const dec_fields *f, kp_hello_result *r, kp_error *er
 int kp_hello_result_decode(kp_msg *msg, kp_hello_result *r, kp_error *err)
 {
     dec_fields f;
-    const msgpack_object *gpu = NULL, *limits;
+    const msgpack_object *gpu = NULL, *limits, *memory;
     int backend, dtype;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, hello_result_fields, err);
@@ -341,7 +373,9 @@ int kp_hello_result_decode(kp_msg *msg, kp_hello_result *r, kp_error *err)
         (rc = decode_transports(&f, &r->transports, err)) ||
         (rc = dec_bool(&f, "slots_persist", &r->slots_persist, NULL, err)) ||
         (rc = decode_features(&f, r, err)) ||
-        (rc = dec_map(&f, "limits", &limits, NULL, err)))
+        (rc = dec_map(&f, "limits", &limits, NULL, err)) ||
+        (rc = dec_map(&f, "memory", &memory, &r->has_memory, err)) ||
+        (r->has_memory && (rc = decode_memory(msg, memory, &r->memory, err))))
         return rc;
     r->backend = (kp_backend)backend;
     r->geometry.state_dtype = (kp_dtype)dtype;
@@ -466,7 +500,7 @@ static const char *const stats_fields[] = {
     "uptime_us", "connections", "connections_total", "requests", "batches", "batches_held",
     "batches_gathered", "seqs", "tokens", "latency_us", "pool", "layers", "regions", "rings",
     "ring_doorbells", "errors", "disconnects", "transport_bytes", "prometheus", "batch_us", "uid",
-    "clients", NULL};
+    "clients", "memory", NULL};
 static const char *const uid_fields[] = {"uid", "layers", "slots", "connections", "held", NULL};
 static const char *const held_fields[] = {"inflight_bytes", "partial_bytes", "output_bytes",
                                           "region_bytes", NULL};
@@ -544,7 +578,8 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
             return rc;
     }
     enc_result(w, id,
-               18 + (r->prometheus != NULL) + r->has_batch_phases + r->has_uid + r->has_clients);
+               18 + (r->prometheus != NULL) + r->has_batch_phases + r->has_uid + r->has_clients +
+                   r->has_memory);
     enc_kv_u64(w, "uptime_us", r->uptime_us);
     enc_kv_u64(w, "connections", r->connections);
     enc_kv_u64(w, "connections_total", r->connections_total);
@@ -625,6 +660,8 @@ int kp_stats_result_encode(kp_writer *w, uint32_t id, const kp_stats_result *r, 
             enc_kv_u64(w, "sum", p->sum_us);
         }
     }
+    if (r->has_memory)
+        encode_memory(w, &r->memory);
     return enc_finish(w, err);
 }
 
@@ -813,7 +850,8 @@ static int decode_batch(kp_msg *msg, const msgpack_object *o, kp_stats_result *r
 int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
 {
     dec_fields f;
-    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch, *uid, *clients;
+    const msgpack_object *latency, *pool, *errors, *disconnects, *bytes, *batch, *uid, *clients,
+        *memory;
     bool has_prometheus, has_batch, has_uid, has_clients, present;
     memset(r, 0, sizeof(*r));
     int rc = dec_result(&f, msg, stats_fields, err);
@@ -848,7 +886,9 @@ int kp_stats_result_decode(kp_msg *msg, kp_stats_result *r, kp_error *err)
         (rc = dec_map(&f, "uid", &uid, &has_uid, err)) ||
         (has_uid && (rc = decode_uid(msg, uid, r, err))) ||
         (rc = dec_map(&f, "clients", &clients, &has_clients, err)) ||
-        (has_clients && (rc = decode_clients(msg, clients, r, err))))
+        (has_clients && (rc = decode_clients(msg, clients, r, err))) ||
+        (rc = dec_map(&f, "memory", &memory, &r->has_memory, err)) ||
+        (r->has_memory && (rc = decode_memory(msg, memory, &r->memory, err))))
         return rc;
     return decode_transport_bytes(msg, bytes, r, err);
 }

@@ -112,6 +112,9 @@ static void test_hello_result_round_trip(void **state)
         .features = features,
         .nfeatures = 1,
         .limits = test_session.limits,
+        .has_memory = true,
+        .memory = {.pool = 1ull << 33, .staging = 2, .scratch = 256ull << 20, .kernel = 4,
+                   .lanes = 5, .layers = 6, .total = 7},
     };
     r.limits.max_batch_tokens = 12345;
     r.limits.has_clients = true;
@@ -140,6 +143,8 @@ static void test_hello_result_round_trip(void **state)
     assert_int_equal(got.nfeatures, 1);
     assert_string_equal(got.features[0], "x.test");
     assert_limits_equal(&got.limits, &r.limits);
+    assert_true(got.has_memory);
+    assert_memory_equal(&got.memory, &r.memory, sizeof(r.memory));
     kp_session s;
     kp_session_from_hello(&s, &got);
     assert_int_equal(s.geometry.heads, H);
@@ -151,8 +156,11 @@ static void test_hello_result_round_trip(void **state)
     edit e;
     edit_begin(&e);
     edit_del(edit_get(e.map, "limits"), "clients");
+    edit_del(e.map, "memory");
     edit_repack(&e);
     DEC(kp_hello_result_decode(&e.msg, &got, &dec_err_));
+    assert_false(got.has_memory); /* nor the memory */
+    assert_int_equal(got.memory.pool, 0);
     assert_false(got.limits.has_clients);
     assert_int_equal(got.limits.clients.max_inflight_bytes_per_uid, 0);
     assert_int_equal(got.limits.max_batch_tokens, 12345);
@@ -251,6 +259,7 @@ static void test_health_stats_round_trip(void **state)
         .has_uid_held = true, .uid_connections = 3, .uid_held = {11, 12, 13, 14},
         .has_clients = true, .held = {21, 22, 23, 24}, .held_peak = {31, 32, 33, 34},
         .stalled = 5, .refused = 6, .bounds = test_client_bounds(),
+        .has_memory = true, .memory = {41, 42, 43, 44, 45, 46, 261},
     };
     ENC(kp_stats_result_encode(&test_writer, 6, &s, &enc_err_));
     open_result(&x, 6);
@@ -304,6 +313,8 @@ static void test_health_stats_round_trip(void **state)
     assert_null(g.prometheus);
     assert_false(g.has_batch_phases); /* not sent: an older daemon */
     assert_int_equal(g.nphases, 0);
+    assert_true(g.has_memory);
+    assert_memory_equal(&g.memory, &s.memory, sizeof(s.memory));
     wire_close(&x);
 
     /* A daemon from before the held / gathered counters and the rings */
@@ -315,10 +326,12 @@ static void test_health_stats_round_trip(void **state)
     edit_del(e.map, "rings");
     edit_del(e.map, "ring_doorbells");
     edit_del(e.map, "clients");
+    edit_del(e.map, "memory");
     edit_del(edit_get(e.map, "uid"), "connections");
     edit_del(edit_get(e.map, "uid"), "held");
     edit_repack(&e);
     DEC(kp_stats_result_decode(&e.msg, &g, &dec_err_));
+    assert_false(g.has_memory);
     assert_false(g.has_clients);
     assert_int_equal(g.held.inflight_bytes, 0);
     assert_true(g.has_uid);
