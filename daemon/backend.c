@@ -112,6 +112,13 @@ void kd_backend_write_word(kd_backend *b, kd_buf word, uint64_t value)
         b->ops->write_word(b, word, value);
 }
 
+kp_memory kd_backend_memory(const kd_backend *b)
+{
+    kp_memory m = b->memory;
+    m.total = m.pool + m.staging + m.scratch + m.kernel + m.lanes + m.layers;
+    return m;
+}
+
 uint64_t kd_backend_slot_bytes(const kd_backend *b)
 {
     return (uint64_t)kda_slot_elems(b->pool.heads) * kda_dtype_size(b->pool.dtype);

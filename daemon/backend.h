@@ -203,6 +203,8 @@ struct kd_backend {
     uint32_t on_device;         /* of those, batches launched on the device and not finished
                                    there (not staging, not unstaging) */
     uint32_t gated_inflight;    /* gated batches submitted and not completed (not in inflight) */
+    kp_memory memory;           /* what the backend allocated, counted where it allocates
+                                   (total: kd_backend_memory) */
 };
 
 typedef struct kd_backend_config {
@@ -216,6 +218,7 @@ typedef struct kd_backend_config {
     uint32_t nbuckets;
     uint64_t max_inline_bytes; /* sizes the cuda staging buffers */
     bool gated_lanes;        /* cuda: set up the lanes of gated launches (ready_on_device) */
+    uint64_t split_scratch_bytes; /* cuda: each kernel instance's split outputs scratch */
 } kd_backend_config;
 
 /*
@@ -251,6 +254,9 @@ void kd_backend_complete(kd_backend *b, kd_batch *batch);
  * memory through the backend.  read: 0, or a kp_code. */
 int kd_backend_read_word(kd_backend *b, kd_buf word, uint64_t *value);
 void kd_backend_write_word(kd_backend *b, kd_buf word, uint64_t value);
+
+/* The backend's memory by use, its total summed (hello, stats, the start-up line). */
+kp_memory kd_backend_memory(const kd_backend *b);
 
 /* Bytes of one slot's state in the pool's dtype. */
 uint64_t kd_backend_slot_bytes(const kd_backend *b);

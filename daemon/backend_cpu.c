@@ -275,6 +275,8 @@ int kd_backend_cpu_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_back
         free(cb);
         return KP_E_NO_MEMORY;
     }
+    b->memory.pool = bytes; /* host memory: the kernel reads the layers in place and takes its
+                               scratch per batch */
     b->info = (kd_backend_info){
         .kind = KP_BACKEND_CPU,
         .name = "cpu",

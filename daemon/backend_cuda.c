@@ -1272,6 +1272,13 @@ static void on_lane_spin(uv_idle_t *h)
  * batches; freed stream-ordered on the batch stream, after every batch that
  * could use it.
  */
+static size_t layer_bytes(const kd_backend *b)
+{
+    const size_t h = (size_t)b->pool.heads;
+    return round_stage(sizeof(kda_layer)) + round_stage(h * sizeof(float)) +
+           h * KDA_HEAD_DIM * sizeof(float);
+}
+
 static int cuda_layer_upload(kd_backend *b, const kda_layer *host, const kda_layer **dev,
                              void **handle, kp_error *err)
 {
@@ -1279,7 +1286,7 @@ static int cuda_layer_upload(kd_backend *b, const kda_layer *host, const kda_lay
     const size_t h = (size_t)b->pool.heads;
     const size_t head = round_stage(sizeof(kda_layer));
     const size_t a_bytes = round_stage(h * sizeof(float));
-    const size_t total = head + a_bytes + h * KDA_HEAD_DIM * sizeof(float);
+    const size_t total = layer_bytes(b);
     uint8_t *image = malloc(total);
     if (!image)
         return kp_fail(err, KP_E_NO_MEMORY, "no memory for a layer image");
@@ -1305,12 +1312,14 @@ static int cuda_layer_upload(kd_backend *b, const kda_layer *host, const kda_lay
     }
     *dev = (const kda_layer *)d;
     *handle = d;
+    b->memory.layers += total;
     return KP_OK;
 }
 
 static void cuda_layer_release(kd_backend *b, const kda_layer *dev, void *handle)
 {
     cudaFreeAsync(handle, ((cuda_backend *)b)->stream);
+    b->memory.layers -= layer_bytes(b);
 }
 
 static int cuda_pin_host(kd_backend *b, void *host, uint64_t size, void **dev, void **handle,
@@ -1721,6 +1730,7 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
         (e = cudaEventCreateWithFlags(&bf->k1_ev, completion_flags)) ||
         (e = cudaEventCreateWithFlags(&bf->end_ev, completion_flags)))
         return e;
+    cb->base.memory.staging += steps_table + table + 2 * cb->stage_bytes;
     /* The graphs copy whole buckets: never let them read uninitialised bytes. */
     memset(bf->table_host, 0, table);
     bf->count_host = (int32_t *)bf->table_host;
@@ -1792,7 +1802,8 @@ static bool probe_write_value64(cuda_backend *cb)
 
 /* The gated lanes (cuda_lane), when the driver offers 64-bit stream waits and writes; their end
  * words when it can write 32-bit words from a stream (else their end events are asked). */
-static cudaError_t setup_lanes(cuda_backend *cb, uint32_t max_seqs, char *err, size_t errlen)
+static cudaError_t setup_lanes(cuda_backend *cb, uint32_t max_seqs, uint64_t split_scratch,
+                               char *err, size_t errlen)
 {
     cb->wait_value64 = (wait_value64_fn)driver_call("cuStreamWaitValue64");
     if (!cb->write_value64 || !cb->wait_value64)
@@ -1810,10 +1821,11 @@ static cudaError_t setup_lanes(cuda_backend *cb, uint32_t max_seqs, char *err, s
     for (uint32_t i = 0; i < KD_CUDA_GATED_LANES; i++) {
         cuda_lane *ln = &cb->lanes[i];
         kda_error kerr;
-        if (kda_cuda_create(cb->device, &ln->k, &kerr) != KDA_OK) {
+        if (kda_cuda_create_with_scratch(cb->device, split_scratch, &ln->k, &kerr) != KDA_OK) {
             snprintf(err, errlen, "a gated lane's kernel: %s", kerr.msg);
             return cudaErrorUnknown;
         }
+        cb->base.memory.lanes += kda_cuda_device_bytes(ln->k);
         if ((e = cudaStreamCreateWithFlags(&ln->stream, cudaStreamNonBlocking)) ||
             (e = cudaMallocHost((void **)&ln->table_host, table)) ||
             (e = cudaMalloc((void **)&ln->table_dev, table)) ||
@@ -1821,6 +1833,7 @@ static cudaError_t setup_lanes(cuda_backend *cb, uint32_t max_seqs, char *err, s
             (e = cudaEventCreateWithFlags(&ln->k1_ev, cudaEventDefault)) ||
             (e = cudaEventCreateWithFlags(&ln->end_ev, cudaEventDisableTiming)))
             return e;
+        cb->base.memory.lanes += table;
         memset(ln->table_host, 0, table); /* the graphs copy whole buckets */
         if (!(ln->graphs = calloc(cb->nbuckets, sizeof(*ln->graphs))))
             return cudaErrorMemoryAllocation;
@@ -1907,7 +1920,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     int rc = resolve_device(cfg->device ? cfg->device : "0", &device, err, errlen);
     if (rc != KP_OK)
         return rc;
-    if (kda_cuda_create(device, &k, &kerr) != KDA_OK) {
+    if (kda_cuda_create_with_scratch(device, cfg->split_scratch_bytes, &k, &kerr) != KDA_OK) {
         snprintf(err, errlen, "%s", kerr.msg);
         return kerr.code == KDA_ENOTSUP ? KP_E_NOT_SUPPORTED : KP_E_INTERNAL;
     }
@@ -1925,6 +1938,8 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     kd_backend *b = &cb->base;
     b->ops = &cuda_ops;
     b->pool = (kda_pool){NULL, cfg->dtype, (int32_t)cfg->heads, cfg->slots};
+    b->memory.scratch = kda_cuda_split_scratch_bytes(k);
+    b->memory.kernel = kda_cuda_device_bytes(k) - b->memory.scratch;
     cb->buckets = malloc(cfg->nbuckets * sizeof(*cb->buckets));
     if (!cb->buckets) {
         kda_cuda_destroy(k);
@@ -1966,6 +1981,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
         rc = KP_E_NO_MEMORY;
         goto fail;
     }
+    b->memory.pool = pool_bytes;
     if (cb->completion == KD_CUDA_COMPLETION_POLL && !setup_done_words(cb))
         KD_WARN("cuda backend: this driver cannot capture cuStreamWriteValue32; batches are "
                 "watched through their events alone");
@@ -2005,7 +2021,8 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
     err[0] = '\0';
     /* Each lane is a kernel instance of its own (its scratch included) and a set of graphs:
      * only when gated launches may use them. */
-    if (cfg->gated_lanes && (e = setup_lanes(cb, max_seqs, err, errlen))) {
+    if (cfg->gated_lanes &&
+        (e = setup_lanes(cb, max_seqs, cfg->split_scratch_bytes, err, errlen))) {
         rc = KP_E_INTERNAL;
         if (!err[0])
             cuda_err(err, errlen, e, "setting up the gated lanes");

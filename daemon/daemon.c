@@ -344,6 +344,7 @@ static void keep_restart_only(kd_config *nc, kd_config *old)
         {"backend", nc->backend != old->backend},
         {"device", str_differs(nc->device, old->device)},
         {"cuda_completion", nc->cuda_completion != old->cuda_completion},
+        {"cuda_split_scratch", nc->cuda_split_scratch != old->cuda_split_scratch},
         {"cpu_threads", nc->cpu_threads != old->cpu_threads},
         {"heads", nc->heads != old->heads},
         {"slots", nc->slots != old->slots},
@@ -368,6 +369,7 @@ static void keep_restart_only(kd_config *nc, kd_config *old)
     SWAP(backend);
     SWAP(device);
     SWAP(cuda_completion);
+    SWAP(cuda_split_scratch);
     SWAP(cpu_threads);
     SWAP(heads);
     SWAP(slots);
@@ -528,6 +530,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
         .nbuckets = buckets(&d->cfg, bucket_list),
         .max_inline_bytes = d->cfg.limits.max_inline_bytes,
         .gated_lanes = d->cfg.ready_on_device,
+        .split_scratch_bytes = d->cfg.cuda_split_scratch,
     };
     int rc = kd_backend_create(loop, &bc, kd_engine_batch_done, kd_engine_device_idle, &d->engine,
                                &d->backend, err, errlen);
@@ -541,6 +544,12 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
     kd_layers_init(&d->layers, d->backend, d->cfg.heads, random_u64());
     if (kd_layers_sync_config(&d->layers, &d->cfg, err, errlen) != 0)
         return KD_EXIT_USAGE;
+    const kp_memory m = kd_backend_memory(d->backend);
+    const double mib = 1024.0 * 1024.0;
+    KD_INFO("memory (%s): %.1f MiB = pool %.1f + staging %.1f + scratch %.1f + kernel %.1f + "
+            "lanes %.1f + layers %.1f",
+            d->backend->info.has_gpu ? "device" : "host", m.total / mib, m.pool / mib,
+            m.staging / mib, m.scratch / mib, m.kernel / mib, m.lanes / mib, m.layers / mib);
     kd_log_set_level(d->cfg.log_level);
 
     uv_queue_work(loop, &d->warm, warm_up, warmed_up);

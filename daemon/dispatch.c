@@ -83,6 +83,8 @@ static void do_hello(kd_req *r)
     res.limits = c->session.limits;
     res.limits.has_clients = true; /* as configured now: a reload may change them */
     res.limits.clients = kd_config_client_bounds(&d->cfg);
+    res.has_memory = true;
+    res.memory = kd_backend_memory(d->backend);
     kd_out *o = kd_req_frame(r);
     if (o)
         kd_req_reply(r, o, kp_hello_result_encode(&o->w, r->id, &res, &e), &e);
@@ -139,6 +141,8 @@ static void do_stats(kd_req *r)
     res.stalled = d->stats.disconnects[KD_DISC_STALLED];
     res.refused = d->stats.disconnects[KD_DISC_TOO_MANY] + d->stats.disconnects[KD_DISC_QUOTA];
     res.bounds = kd_config_client_bounds(&d->cfg);
+    res.has_memory = true;
+    res.memory = kd_backend_memory(d->backend);
     char *text = NULL;
     if (flags & KP_STATS_PROMETHEUS) {
         /* The same rendering as the metrics file, from the same counters. */

@@ -200,6 +200,69 @@ static void test_hello_and_layers(void **unused)
     dh_stop(&d);
 }
 
+static void wait_log(const dh_daemon *d, const char *needle, int n);
+
+static uint64_t memory_sum(const kp_memory *m)
+{
+    return m->pool + m->staging + m->scratch + m->kernel + m->lanes + m->layers;
+}
+
+/* hello and stats show the memory kdad holds by use, as the backend allocated it: the cuda
+ * backend's device memory (its split scratch as configured), the cpu backend's pool in host
+ * memory; the start-up line says the same. */
+static void test_memory(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    test_rng r;
+    dh_layer l;
+    start(&d, "cuda_split_scratch: 64MiB\n");
+    dh_connect(&c, &d);
+    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "test"};
+    uint32_t id = dh_id(&c);
+    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
+    dh_send(&c);
+    dh_expect_result(&c, id);
+    kp_hello_result hr;
+    assert_int_equal(kp_hello_result_decode(&c.msg, &hr, NULL), KP_OK);
+    kp_session_from_hello(&c.session, &hr);
+    const kp_memory m = hr.memory;
+    assert_true(hr.has_memory);
+    assert_true(m.pool == 64 * kp_state_bytes(DH_HEADS, KP_DTYPE_F32));
+    assert_int_equal(m.layers, 0);
+    assert_int_equal(m.lanes, 0); /* batching.ready_on_device is off */
+    assert_true(m.total == memory_sum(&m));
+#ifdef DH_BACKEND_IS_CUDA
+    assert_true(m.scratch == 64ull << 20);
+    assert_true(m.staging > 0 && m.kernel > 0);
+    wait_log(&d, "memory (device): ", 1);
+#else
+    assert_int_equal(m.staging + m.scratch + m.kernel, 0);
+    wait_log(&d, "memory (host): ", 1);
+#endif
+
+    /* a layer: its weights' copy on the device counts while it is registered */
+    rng_seed(&r, 5);
+    dh_layer_make(&l, &r);
+    dh_register_layer(&c, "L", &l);
+    kp_stats_result st;
+    dh_stats(&c, &st);
+    assert_true(st.has_memory);
+    assert_true(st.memory.pool == m.pool && st.memory.scratch == m.scratch);
+    assert_true(st.memory.total == memory_sum(&st.memory));
+#ifdef DH_BACKEND_IS_CUDA
+    assert_true(st.memory.layers >= sizeof(l.A_log) + sizeof(l.dt_bias));
+#else
+    assert_int_equal(st.memory.layers, 0); /* the cpu kernel reads the host copy */
+#endif
+    kp_layer_drop_result dr = expect_drop(&c, send_drop(&c, "L"));
+    assert_true(dr.removed);
+    dh_stats(&c, &st);
+    assert_true(st.memory.total == m.total);
+    dh_close(&c);
+    dh_stop(&d);
+}
+
 /*
  * Many connections at once, each with its own slot and length, all checked
  * against the oracle.  A chain of long requests on one slot keeps the device
@@ -1498,12 +1561,15 @@ static void test_reload_batch_sizes(void **unused)
     assert_int_equal(now.max_batch_seqs, 4);
     assert_int_equal(now.max_seqs_per_request, 4);
 
-    /* back up to the start value, and a restart-only key changed: it keeps its value */
-    snprintf(yaml, sizeof(yaml), fmt, base_yaml, 8, 8, 1u << 20);
+    /* back up to the start value, and restart-only keys changed: they keep their values */
+    char restart_only[256];
+    snprintf(restart_only, sizeof(restart_only), "%scuda_split_scratch: 0\n", base_yaml);
+    snprintf(yaml, sizeof(yaml), fmt, restart_only, 8, 8, 1u << 20);
     dh_write_config(&d, yaml);
     kill(d.pid, SIGHUP);
     wait_log(&d, "reloaded:", 2);
     wait_log(&d, "reload: limits.max_inline_bytes changed; it takes effect at the next restart", 1);
+    wait_log(&d, "reload: cuda_split_scratch changed; it takes effect at the next restart", 1);
     now = hello_limits(&d);
     assert_int_equal(now.max_batch_seqs, 8);
     assert_int_equal(now.max_inline_bytes, inline_start);
@@ -1714,6 +1780,7 @@ int main(void)
         return 77;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_hello_and_layers, dh_teardown),
+        cmocka_unit_test_teardown(test_memory, dh_teardown),
         cmocka_unit_test_teardown(test_concurrent_clients_match_oracle, dh_teardown),
         cmocka_unit_test_teardown(test_multi_sequence_request, dh_teardown),
         cmocka_unit_test_teardown(test_chunked_continuation, dh_teardown),
