@@ -405,7 +405,8 @@ static void script_registry(fake_conn *fc, void *arg)
             .has_clients = true, .held = {200, 80, 14, 8192}, .held_peak = {300, 90, 21, 9000},
             .stalled = 5, .refused = 6,
             .bounds = {.max_connections = 50, .max_connections_per_uid = 4,
-                       .max_inflight_bytes_per_uid = 1u << 20, .output_stall_seconds = 11}};
+                       .max_inflight_bytes_per_uid = 1u << 20, .output_stall_seconds = 11},
+            .has_memory = true, .memory = {1ull << 33, 2, 3, 4, 5, 6, (1ull << 33) + 20}};
         ANSWER(fc, kp_stats_result_encode(&fc->w, id, &r, E));
     }
     if ((id = fake_expect(fc, KP_METHOD_LAYER_REGISTER))) {
@@ -451,6 +452,7 @@ static void test_registry_calls(void **state)
     assert_int_equal(h.running, 1);
 
     assert_false(kdac_client_info(c)->has_bounds); /* a daemon before limits.clients */
+    assert_false(kdac_client_info(c)->has_memory); /* ... and before the memory */
     kdac_stats_info *st = calloc(1, sizeof(*st));
     /* a daemon before the usage against the bounds: none reported */
     kdac_usage_info u;
@@ -459,6 +461,7 @@ static void test_registry_calls(void **state)
     assert_false(u.has_uid);
     assert_false(u.has_uid_held);
     assert_false(u.has_clients);
+    assert_false(u.has_memory);
     assert_int_equal(u.bounds.max_inflight_bytes_per_uid, 0);
     assert_int_equal(st->requests, 300);
     assert_int_equal(st->tokens, 5000);
@@ -497,6 +500,7 @@ static void test_registry_calls(void **state)
     assert_int_equal(u.held.partial_bytes, 40);
     assert_int_equal(u.held.region_bytes, 4096);
     assert_int_equal(u.stalled, 0xababababababababull); /* past the size given: untouched */
+    assert_int_equal(u.memory.total, 0xababababababababull);
     st = calloc(1, sizeof(*st));
     assert_int_equal(kdac_stats_usage(c, st, &u, sizeof(u), &err), KDAC_OK);
     assert_int_equal(st->slots_total, 0); /* both filled from the one answer */
@@ -514,6 +518,11 @@ static void test_registry_calls(void **state)
     assert_int_equal(u.bounds.frame_stall_seconds, 0);
     /* the per-uid layers and slots as hello told */
     assert_int_equal(u.bounds.max_slots_per_uid, kdac_client_info(c)->bounds.max_slots_per_uid);
+    assert_true(u.has_memory);
+    assert_int_equal(u.memory.pool, 1ull << 33);
+    assert_int_equal(u.memory.scratch, 3);
+    assert_int_equal(u.memory.layers, 6);
+    assert_int_equal(u.memory.total, (1ull << 33) + 20);
     free(st);
     assert_int_equal(kdac_stats_usage(c, NULL, NULL, 0, &err), KDAC_E_INVALID_ARGUMENT);
 
@@ -560,6 +569,9 @@ static void configure_gpu(kp_hello_result *h)
     h->gpu.name = "NVIDIA H200";
     h->gpu.uuid = "GPU-00000000-1111-2222-3333-444444444444";
     h->transports |= KP_TRANSPORT_CUDA_IPC;
+    h->has_memory = true;
+    h->memory = (kp_memory){.pool = 100, .staging = 20, .scratch = 1 << 28, .kernel = 3,
+                            .total = 123 + (1 << 28)};
 }
 
 static void script_regions(fake_conn *fc, void *arg)
@@ -617,6 +629,14 @@ static void test_region_calls(void **state)
 {
     fake_server *s = fake_start_with(script_regions, NULL, configure_gpu);
     kdac_client *c = open_fake(s);
+    const kdac_server_info *info = kdac_client_info(c);
+    assert_true(info->has_memory);
+    assert_int_equal(info->memory.pool, 100);
+    assert_int_equal(info->memory.staging, 20);
+    assert_int_equal(info->memory.scratch, 1 << 28);
+    assert_int_equal(info->memory.kernel, 3);
+    assert_int_equal(info->memory.lanes, 0);
+    assert_int_equal(info->memory.total, 123 + (1 << 28));
     kdac_error err;
     kdac_shm shm;
     assert_int_equal(kdac_shm_create(&shm, SHM_BYTES, "test", &err), KDAC_OK);

@@ -333,6 +333,21 @@ typedef struct kdac_bounds {
     uint32_t output_stall_seconds;            /* unread output and no byte taken since: closed */
 } kdac_bounds;
 
+/*
+ * The memory the daemon holds for its backend, bytes by use (docs/daemon.md,
+ * "Memory"): device memory with the cuda backend, host memory with the cpu
+ * backend (its pool alone).  Counted where the daemon allocates it.
+ */
+typedef struct kdac_memory {
+    uint64_t pool;     /* the state pool */
+    uint64_t staging;  /* staging buffers and launch tables */
+    uint64_t scratch;  /* the split path's outputs scratch (its cuda_split_scratch) */
+    uint64_t kernel;   /* the kernel instance's other buffers */
+    uint64_t lanes;    /* the gated lanes (batching.ready_on_device), their scratch included */
+    uint64_t layers;   /* layer weights copied where the kernel reads them */
+    uint64_t total;    /* all of the above */
+} kdac_memory;
+
 /* What hello told: the daemon, its geometry and its limits. */
 typedef struct kdac_server_info {
     uint32_t version;                  /* protocol version in use */
@@ -362,6 +377,10 @@ typedef struct kdac_server_info {
      * without them). */
     bool has_bounds;
     kdac_bounds bounds;
+    /* The daemon's memory at hello; has_memory false from a daemon that does not send it.
+     * kdac_stats_usage reports it as it is now (layers change it). */
+    bool has_memory;
+    kdac_memory memory;
 } kdac_server_info;
 
 /* The hello result of this connection; valid until kdac_client_close. */
@@ -826,6 +845,8 @@ typedef struct kdac_usage_info {
     uint64_t refused;         /* connections refused: max_connections or a per-uid quota */
     kdac_bounds bounds;       /* the bounds in force (max_*_per_uid of layers and slots: as
                                  hello told) */
+    bool has_memory;          /* memory (false from daemons before it) */
+    kdac_memory memory;       /* the daemon's memory by use now */
 } kdac_usage_info;
 
 /*

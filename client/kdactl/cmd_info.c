@@ -101,6 +101,31 @@ static void bounds_text(const kdac_bounds *b)
            "one of the output taken\n", b->frame_stall_seconds, b->output_stall_seconds);
 }
 
+/* The daemon's memory by use (hello and stats "memory"). */
+static json_object *memory_json(const kdac_memory *m)
+{
+    json_object *o = json_object_new_object();
+    json_object_object_add(o, "pool", json_u64(m->pool));
+    json_object_object_add(o, "staging", json_u64(m->staging));
+    json_object_object_add(o, "scratch", json_u64(m->scratch));
+    json_object_object_add(o, "kernel", json_u64(m->kernel));
+    json_object_object_add(o, "lanes", json_u64(m->lanes));
+    json_object_object_add(o, "layers", json_u64(m->layers));
+    json_object_object_add(o, "total", json_u64(m->total));
+    return o;
+}
+
+/* One line: "  memory      1.5 GiB (device): pool 1.0 GiB, staging ..." */
+static void memory_text(const kdac_memory *m, const char *where)
+{
+    char t[32], p[32], st[32], sc[32], k[32], ln[32], ly[32];
+    printf("  memory      %s%s: pool %s, staging %s, scratch %s, kernel %s, lanes %s, layers %s\n",
+           bytes_text(m->total, t, sizeof(t)), where, bytes_text(m->pool, p, sizeof(p)),
+           bytes_text(m->staging, st, sizeof(st)), bytes_text(m->scratch, sc, sizeof(sc)),
+           bytes_text(m->kernel, k, sizeof(k)), bytes_text(m->lanes, ln, sizeof(ln)),
+           bytes_text(m->layers, ly, sizeof(ly)));
+}
+
 static void hello_json(const kdac_client *c)
 {
     const kdac_server_info *i = kdac_client_info(c);
@@ -144,6 +169,8 @@ static void hello_json(const kdac_client *c)
     if (i->has_bounds)
         json_object_object_add(l, "clients", client_bounds_json(&i->bounds));
     json_object_object_add(o, "limits", l);
+    if (i->has_memory)
+        json_object_object_add(o, "memory", memory_json(&i->memory));
     ctl_print_json(o);
 }
 
@@ -184,6 +211,8 @@ static void hello_text(const kdac_client *c)
                i->bounds.max_slots_per_uid);
     if (i->has_bounds)
         bounds_text(&i->bounds);
+    if (i->has_memory)
+        memory_text(&i->memory, i->has_gpu ? " on the GPU" : " of host memory");
 }
 
 int cmd_hello(ctl *g, int argc, char **argv)
@@ -191,7 +220,8 @@ int cmd_hello(ctl *g, int argc, char **argv)
     int rc = simple_options("hello",
                             "Usage: kdactl hello\n"
                             "Connects, runs the protocol handshake and prints what the daemon\n"
-                            "announced: server, backend, GPU, heads, slots, transports, limits.\n",
+                            "announced: server, backend, GPU, heads, slots, transports, limits,\n"
+                            "and the memory it holds by use.\n",
                             argc, argv);
     if (rc >= 0)
         return rc;
@@ -440,6 +470,8 @@ static void stats_json(const kdac_stats_info *s, const kdac_usage_info *u)
         json_object_object_add(cl, "bounds", client_bounds_json(&u->bounds));
         json_object_object_add(o, "clients", cl);
     }
+    if (u->has_memory)
+        json_object_object_add(o, "memory", memory_json(&u->memory));
     ctl_print_json(o);
 }
 
@@ -519,6 +551,8 @@ static void stats_text(const kdac_stats_info *s, const kdac_usage_info *u)
     printf("  pool        %u slots, %u used, %u lost\n", s->slots_total, s->slots_used,
            s->slots_lost);
     printf("  registry    %u layers, %u regions\n", s->layers, s->regions);
+    if (u->has_memory)
+        memory_text(&u->memory, "");
     printf("  rings       %u connections on a frame ring, %llu doorbells rung\n", s->rings,
            (unsigned long long)s->ring_doorbells);
     usage_text(u);
@@ -569,8 +603,9 @@ int cmd_stats(ctl *g, int argc, char **argv)
         "requests, prefill sequences and tokens, latency percentiles, pool\n"
         "use, what the caller's uid and all clients make the daemon hold against\n"
         "the bounds (clients.*), errors by name, disconnects by reason, bytes by\n"
-        "transport, and each batch's time by phase (form, stage, launch, wait,\n"
-        "notice, unstage, reply, total, device, kernel, host).\n"
+        "transport, each batch's time by phase (form, stage, launch, wait,\n"
+        "notice, unstage, reply, total, device, kernel, host), and the memory\n"
+        "the daemon holds by use.\n"
         "  -p, --prometheus  the same counters in the Prometheus text format, as the\n"
         "                    daemon renders them (its metrics.prometheus_file)\n";
     static const struct option opts[] = {

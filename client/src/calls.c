@@ -842,6 +842,8 @@ static void copy_usage(const kdac_client *c, const kp_stats_result *r, kdac_usag
     kdac_bounds_from_wire(&u.bounds, &r->bounds);
     u.bounds.max_layers_per_uid = c->info.bounds.max_layers_per_uid;
     u.bounds.max_slots_per_uid = c->info.bounds.max_slots_per_uid;
+    u.has_memory = r->has_memory;
+    u.memory = kdac_memory_from_wire(&r->memory);
     memcpy(out, &u, size < sizeof(u) ? size : sizeof(u));
 }
 

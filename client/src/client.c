@@ -142,6 +142,12 @@ void kdac_bounds_from_wire(kdac_bounds *out, const kp_client_bounds *b)
     };
 }
 
+kdac_memory kdac_memory_from_wire(const kp_memory *m)
+{
+    return (kdac_memory){m->pool,  m->staging, m->scratch, m->kernel,
+                         m->lanes, m->layers,  m->total};
+}
+
 /* hello's result: the session for the codec and the public info. */
 static int hello_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *res, kp_error *err)
 {
@@ -184,6 +190,8 @@ static int hello_decode(kdac_client *c, pending *p, kp_msg *msg, kdac_result *re
     kdac_bounds_from_wire(&i->bounds, &l->clients);
     i->bounds.max_layers_per_uid = l->max_layers_per_uid;
     i->bounds.max_slots_per_uid = l->max_slots_per_uid;
+    i->has_memory = r.has_memory;
+    i->memory = kdac_memory_from_wire(&r.memory);
     kp_session_from_hello(&c->session, &r);
     return KP_OK;
 }

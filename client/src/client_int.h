@@ -181,5 +181,7 @@ int sync_wait(kdac_client *c, sync_call *s, kdac_error *err);
 /* The clients.* bounds of a hello or stats answer (the per-uid layers and
  * slots, which come in hello's limits, left 0). */
 void kdac_bounds_from_wire(kdac_bounds *out, const kp_client_bounds *b);
+/* hello's and stats' "memory". */
+kdac_memory kdac_memory_from_wire(const kp_memory *m);
 
 #endif /* KDAC_CLIENT_INT_H */

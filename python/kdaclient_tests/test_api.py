@@ -33,6 +33,12 @@ class ApiTest(DaemonTestCase):
         self.assertEqual(h["limits"]["max_slots_per_uid"], 64)
         self.assertGreater(h["limits"]["max_layers_per_uid"], 0)
         self.assertEqual(h["limits"]["clients"]["frame_stall_seconds"], 30)
+        # the cpu backend's memory: its pool, in host memory
+        elem = 4 if h["state_dtype"] == "f32" else 2
+        pool = h["slots"] * H * 128 * 128 * elem
+        self.assertEqual(h["memory"], dict(pool=pool, staging=0, scratch=0, kernel=0, lanes=0,
+                                           layers=0, total=pool))
+        self.assertEqual(self.c.stats()["memory"], h["memory"])
 
     def test_bounds(self):
         """A daemon's clients.* bounds in hello and stats, and the usage against them."""

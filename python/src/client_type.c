@@ -211,6 +211,16 @@ static bool set_new(PyObject *d, const char *key, PyObject *v)
     return ok;
 }
 
+/* hello's and stats' "memory": the daemon's memory by use, bytes. */
+static PyObject *memory_dict(const kdac_memory *m)
+{
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "pool", (unsigned long long)m->pool, "staging",
+                         (unsigned long long)m->staging, "scratch", (unsigned long long)m->scratch,
+                         "kernel", (unsigned long long)m->kernel, "lanes",
+                         (unsigned long long)m->lanes, "layers", (unsigned long long)m->layers,
+                         "total", (unsigned long long)m->total);
+}
+
 static PyObject *client_hello(PyObject *o, PyObject *unused)
 {
     ClientObject *self = (ClientObject *)o;
@@ -265,6 +275,8 @@ static PyObject *client_hello(PyObject *o, PyObject *unused)
         "head_dim", KDAC_HEAD_DIM, "slots", i->slots, "state_dtype", dtype_name(i->state_dtype),
         "transports", tr, "slots_persist", i->slots_persist ? Py_True : Py_False, "features",
         feat, "limits", limits);
+    if (d && i->has_memory && !set_new(d, "memory", memory_dict(&i->memory)))
+        Py_CLEAR(d);
     return d;
 fail:
     Py_XDECREF(gpu);
@@ -314,7 +326,7 @@ static bool add_usage(PyObject *d, const kdac_usage_info *u)
         if (!set_new(d, "clients", cl))
             return false;
     }
-    return true;
+    return !u->has_memory || set_new(d, "memory", memory_dict(&u->memory));
 }
 
 static PyObject *client_stats(PyObject *o, PyObject *unused)
