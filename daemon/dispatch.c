@@ -141,8 +141,6 @@ static void do_stats(kd_req *r)
     res.stalled = d->stats.disconnects[KD_DISC_STALLED];
     res.refused = d->stats.disconnects[KD_DISC_TOO_MANY] + d->stats.disconnects[KD_DISC_QUOTA];
     res.bounds = kd_config_client_bounds(&d->cfg);
-    res.has_memory = true;
-    res.memory = kd_backend_memory(d->backend);
     char *text = NULL;
     if (flags & KP_STATS_PROMETHEUS) {
         /* The same rendering as the metrics file, from the same counters. */
@@ -573,6 +571,8 @@ void kd_dispatch_gauges(const kd_daemon *d, kd_stats_gauges *g)
     g->queued = d->sched.queued;
     g->running = d->backend->inflight;
     g->ring_doorbells = d->net.ring_doorbells;
+    g->has_memory = true;
+    g->memory = kd_backend_memory(d->backend);
     const kd_quota *q = &d->quota;
     const kd_config *cfg = &d->cfg;
     g->held[KD_HELD_INFLIGHT] = (kd_stats_held){

@@ -171,6 +171,8 @@ void kd_stats_result(const kd_stats *s, const kd_stats_gauges *g, uint64_t now_n
     r->regions = g->regions;
     r->rings = g->rings;
     r->ring_doorbells = g->ring_doorbells;
+    r->has_memory = g->has_memory;
+    r->memory = g->memory;
     for (int c = 1; c < KD_ERROR_SLOTS; c++) {
         if (s->errors[c])
             v->errors[r->nerrors++] = (kp_counter){kp_code_name(-c), s->errors[c]};
@@ -241,6 +243,17 @@ char *kd_stats_prometheus(const kd_stats *s, const kd_stats_gauges *g, uint64_t 
     METRIC("ring_doorbells_total", "counter",
            "Doorbells rung to frame-ring clients that said they sleep.");
     fprintf(f, "kdad_ring_doorbells_total %llu\n", (unsigned long long)r->ring_doorbells);
+    if (r->has_memory) {
+        const kp_memory *m = &r->memory;
+        const struct { const char *use; uint64_t bytes; } uses[] = {
+            {"pool", m->pool},   {"staging", m->staging}, {"scratch", m->scratch},
+            {"kernel", m->kernel}, {"lanes", m->lanes},   {"layers", m->layers}};
+        METRIC("memory_bytes", "gauge",
+               "Memory kdad holds for its backend, by use (device memory on cuda, host on cpu).");
+        for (size_t u = 0; u < sizeof(uses) / sizeof(uses[0]); u++)
+            fprintf(f, "kdad_memory_bytes{use=\"%s\"} %llu\n", uses[u].use,
+                    (unsigned long long)uses[u].bytes);
+    }
     static const char *const held_names[KD_HELD_COUNT] = {
 #define KD_HELD_NAME(id, name) name,
         KD_HELD(KD_HELD_NAME)

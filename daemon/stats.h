@@ -124,6 +124,8 @@ typedef struct kd_stats_gauges {
     /* Bytes clients make kdad hold (quota.h): now, the peak since start, and
      * the daemon-wide bound (per-uid bounds in kd_stats_bounds). */
     kd_stats_held held[KD_HELD_COUNT];
+    bool has_memory;
+    kp_memory memory;  /* the backend's memory by use (kd_backend_memory) */
 } kd_stats_gauges;
 
 void kd_stats_init(kd_stats *s, uint64_t now_ns);

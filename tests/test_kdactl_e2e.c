@@ -77,6 +77,11 @@ static void test_hello_ping_health_stats(void **state)
     assert_int_equal(jint(o, "limits.clients.frame_stall_seconds"), 30); /* the default */
     assert_true(jint(o, "limits.clients.max_inflight_bytes_total") >= 300ll << 20);
     assert_int_equal(jint(o, "limits.max_slots_per_uid"), 64);
+    /* the cpu backend's memory: its pool of 64 f32 states, in host memory */
+    const int64_t pool = 64ll * STATE_ELEMS * 4;
+    assert_int_equal(jint(o, "memory.pool"), pool);
+    assert_int_equal(jint(o, "memory.scratch"), 0);
+    assert_int_equal(jint(o, "memory.total"), pool);
     json_object_put(o);
 
     cmd_result r = kdactl(S, "hello", NULL);
@@ -85,6 +90,8 @@ static void test_hello_ping_health_stats(void **state)
     expect_text(r.out, "4 heads x 128, 64 slots");
     expect_text(r.out, "300.0 MiB of requests in flight");
     expect_text(r.out, "9 s without one of the output taken");
+    expect_text(r.out, "memory      16.0 MiB of host memory: pool 16.0 MiB, staging 0 B, "
+                       "scratch 0 B, kernel 0 B, lanes 0 B, layers 0 B");
     cmd_free(&r);
 
     r = kdactl(S, "ping", "--count", "3", NULL);
@@ -134,6 +141,9 @@ static void test_hello_ping_health_stats(void **state)
     assert_int_equal(jint(o, "clients.stalled"), 0);
     assert_int_equal(jint(o, "clients.refused"), 0);
     assert_int_equal(jint(o, "clients.bounds.max_inflight_bytes_per_uid"), 300ll << 20);
+    assert_int_equal(jint(o, "memory.pool"), pool);
+    assert_int_equal(jint(o, "memory.layers"), 0);
+    assert_int_equal(jint(o, "memory.total"), pool);
     json_object_put(o);
     r = kdactl(S, "stats", NULL);
     expect_exit(&r, 0);
@@ -141,6 +151,7 @@ static void test_hello_ping_health_stats(void **state)
     expect_text(r.out, "64 slots");
     expect_text(r.out, "of 300.0 MiB in flight (0 B arriving)");
     expect_text(r.out, "0 stalled, 0 refused");
+    expect_text(r.out, "memory      16.0 MiB: pool 16.0 MiB, staging 0 B");
     cmd_free(&r);
 }
 

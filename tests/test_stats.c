@@ -68,7 +68,8 @@ static void test_counters_and_prometheus(void **unused)
 
     kd_stats_gauges g = {.slots_total = 8, .slots_used = 3, .slots_lost = 1, .layers = 2,
                          .rings = 1, .queued = 5, .running = 1,
-                         .ring_doorbells = 17};
+                         .ring_doorbells = 17, .has_memory = true,
+                         .memory = {.pool = 1 << 30, .scratch = 256 << 20, .total = 1 << 31}};
     kd_stats_view v;
     kp_stats_result r;
     kd_stats_result(&s, &g, 0, &v, &r);
@@ -76,6 +77,8 @@ static void test_counters_and_prometheus(void **unused)
     assert_int_equal(r.batches_gathered, 2);
     assert_int_equal(r.rings, 1);
     assert_int_equal(r.ring_doorbells, 17);
+    assert_true(r.has_memory);
+    assert_int_equal(r.memory.scratch, 256 << 20);
     assert_int_equal(r.nerrors, 2);
     assert_string_equal(r.errors[0].name, "INVALID_PARAMS");
     assert_int_equal(r.errors[0].value, 2);
@@ -99,6 +102,8 @@ static void test_counters_and_prometheus(void **unused)
     has(text, "# TYPE kdad_rings gauge\nkdad_rings 1\n");
     has(text, "# TYPE kdad_ring_doorbells_total counter\nkdad_ring_doorbells_total 17\n");
     has(text, "kdad_transport_bytes_total{transport=\"shm\",direction=\"in\"} 1234\n");
+    has(text, "# TYPE kdad_memory_bytes gauge\nkdad_memory_bytes{use=\"pool\"} 1073741824\n");
+    has(text, "kdad_memory_bytes{use=\"scratch\"} 268435456\nkdad_memory_bytes{use=\"kernel\"} 0\n");
     /* cumulative buckets: 30 us is <= 5e-05 s, 70 us <= 0.0001 s */
     has(text, "kdad_prefill_latency_seconds_bucket{le=\"2e-05\"} 0\n");
     has(text, "kdad_prefill_latency_seconds_bucket{le=\"5e-05\"} 1\n");
