@@ -261,6 +261,19 @@ static void test_memory(void **unused)
     assert_true(st.memory.total == m.total);
     dh_close(&c);
     dh_stop(&d);
+#ifdef DH_BACKEND_IS_CUDA
+    /* No scratch, and the gated lanes: four more kernel instances (without scratch) and tables */
+    start(&d, "cuda_split_scratch: 0\nbatching:\n  ready_on_device: true\n");
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_stats(&c, &st);
+    assert_int_equal(st.memory.scratch, 0);
+    assert_true(st.memory.kernel == m.kernel && st.memory.staging == m.staging);
+    assert_true(st.memory.lanes > 4 * m.kernel && (st.memory.lanes - 4 * m.kernel) % 4 == 0);
+    assert_true(st.memory.total == memory_sum(&st.memory));
+    dh_close(&c);
+    dh_stop(&d);
+#endif
 }
 
 /*
