@@ -43,12 +43,14 @@
  * compute the same outputs (checked bit for bit, last layer; the output
  * block is set to NaNs before each variant runs).
  *
- * Reported per (H, workload, variant): the median time per forward pass
- * (CUDA events around the pass on the client's stream), its ratio to
- * inproc, the median per layer of the "KDA slot" on the client's stream (from
- * the producer's end to the consumer's start) and of the GPU idle per layer
- * (that slot less inproc's), and for stream whether the host had enqueued
- * all L layers before the first layer's KDA finished.
+ * Reported per (H, workload, variant, words): the median time per forward
+ * pass (CUDA events around the pass on the client's stream), its ratio to
+ * inproc, the median and the mean per layer of the "KDA slot" on the client's
+ * stream (from the producer's end to the consumer's start; a mean above the
+ * median says some layers waited much longer), the GPU idle per layer (the
+ * median slot less inproc's), and for stream and floor the median host time
+ * to enqueue a pass and in how many passes the host had enqueued all L layers
+ * before the first layer's KDA finished.
  */
 #include <algorithm>
 #include <errno.h>
@@ -61,6 +63,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <vector>
 
@@ -104,7 +107,10 @@ struct Workload {
 struct Timing {
     double pass_ms;       /* median per forward pass */
     double slot_ms;       /* median per layer: producer end -> consumer start */
+    double slot_mean_ms;  /* their mean (the pass less L of these: the copies, and the host when late) */
+    double enqueue_ms;    /* stream, floor: median host time to enqueue a pass (else 0) */
     bool ran_ahead;       /* stream: every pass enqueued all layers before layer 0's KDA ended */
+    int ahead, passes;    /* stream: how many of the passes did */
 };
 
 /* Where a variant's ready and done words live (see the top). */
@@ -124,6 +130,21 @@ static double median(std::vector<double> v)
 {
     std::sort(v.begin(), v.end());
     return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+static double mean(const std::vector<double> &v)
+{
+    double sum = 0;
+    for (double x : v)
+        sum += x;
+    return v.empty() ? 0.0 : sum / double(v.size());
+}
+
+static double now_ms()
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return double(ts.tv_sec) * 1e3 + double(ts.tv_nsec) / 1e6;
 }
 
 /* A kdad of its own on a socket in a temporary folder. */
@@ -407,7 +428,7 @@ static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t
     CK(cudaMemcpy(last_out.data(), b + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
     layers_free(k);
-    return {median(pass_ms), median(slots), false};
+    return {median(pass_ms), median(slots), mean(slots), 0.0, false, 0, passes};
 }
 
 /* What both kdad variants share: the layer, the slots, the regions. */
@@ -513,7 +534,7 @@ static Timing kdad_sync(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vec
     last_out.resize(s.tok_bytes / 2);
     CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
-    return {median(pass_ms), median(slots), false};
+    return {median(pass_ms), median(slots), mean(slots), 0.0, false, 0, passes};
 }
 
 /* Drives the client until ev completes (a failed request releases its wait, so it does). */
@@ -531,9 +552,13 @@ static void drive_until(kdac_client *c, cudaEvent_t ev)
 
 /* Accumulates its passes and slots into acc (two rounds make one Timing). */
 struct StreamAcc {
-    std::vector<double> pass_ms, slots;
-    bool ran_ahead = true;
-    Timing timing() const { return {median(pass_ms), median(slots), ran_ahead}; }
+    std::vector<double> pass_ms, slots, enqueue_ms;
+    int ahead = 0;
+    Timing timing() const
+    {
+        int n = int(pass_ms.size());
+        return {median(pass_ms), median(slots), mean(slots), median(enqueue_ms), ahead == n, ahead, n};
+    }
 };
 
 /* Layer l's ready (which 0) or done (1) word in place c: k's shared memory, or the device block of its
@@ -565,12 +590,12 @@ static void kdad_stream(Kdad &k, Setup &s, Place c, int passes, cudaStream_t st,
     reset_words(k, s, st);
     PassEvents ev;
     ev.init(L);
-    bool ran_ahead = true;
     kdac_error err;
     Answers ans;
     int sent = 0;
     for (int p = -1; p < passes; p++) {
         uint64_t value = uint64_t(p + 2); /* rises every pass: each layer's words are fresh */
+        double t0 = now_ms();
         CK(cudaEventRecord(ev.start, st));
         for (int l = 0; l < L; l++) {
             copy_async(s.buf, s.src, s.in_bytes, st);
@@ -584,14 +609,16 @@ static void kdad_stream(Kdad &k, Setup &s, Place c, int passes, cudaStream_t st,
             copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
         }
         CK(cudaEventRecord(ev.stop, st));
-        if (p >= 0 && cudaEventQuery(ev.cons[0]) != cudaErrorNotReady)
-            ran_ahead = false;
+        double enq = now_ms() - t0;
+        bool ahead = cudaEventQuery(ev.cons[0]) == cudaErrorNotReady;
         drive_until(k.c, ev.stop);
         std::vector<double> sl;
         double ms = ev.read(sl);
         if (p >= 0) {
             acc.pass_ms.push_back(ms);
             acc.slots.insert(acc.slots.end(), sl.begin(), sl.end());
+            acc.enqueue_ms.push_back(enq);
+            acc.ahead += ahead;
         }
     }
     while (ans.done < sent) {
@@ -605,7 +632,6 @@ static void kdad_stream(Kdad &k, Setup &s, Place c, int passes, cudaStream_t st,
     last_out.resize(s.tok_bytes / 2);
     CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
-    acc.ran_ahead &= ran_ahead;
 }
 
 /* Stream memory operations through the driver (the runtime has none). */
@@ -732,6 +758,7 @@ static void floor_pair(Kdad &k, Setup &s, int passes, int rounds, cudaStream_t s
         clear_output(s, st);
         for (int p = -1; p < passes; p++) {
             uint64_t value = floor_value(int(r), passes, p);
+            double t0 = now_ms();
             CK(cudaEventRecord(ev.start, st));
             for (int l = 0; l < L; l++) {
                 copy_async(s.buf, s.src, s.in_bytes, st);
@@ -744,6 +771,8 @@ static void floor_pair(Kdad &k, Setup &s, int passes, int rounds, cudaStream_t s
                 copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
             }
             CK(cudaEventRecord(ev.stop, st));
+            double enq = now_ms() - t0;
+            bool ahead = cudaEventQuery(ev.cons[0]) == cudaErrorNotReady;
             while (cudaEventQuery(ev.stop) == cudaErrorNotReady) {
                 int status;
                 if (waitpid(pid, &status, WNOHANG) == pid)
@@ -754,6 +783,8 @@ static void floor_pair(Kdad &k, Setup &s, int passes, int rounds, cudaStream_t s
             if (p >= 0) {
                 acc[c].pass_ms.push_back(ms);
                 acc[c].slots.insert(acc[c].slots.end(), sl.begin(), sl.end());
+                acc[c].enqueue_ms.push_back(enq);
+                acc[c].ahead += ahead;
             }
         }
         /* the server finished this run's kernels before their done words: the output is the last layer's */
@@ -863,15 +894,20 @@ int main(int argc, char **argv)
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("\nlayer loop on %s: %d layers (producer copy, KDA, consumer copy) per forward pass, median of %d "
-           "passes; slot = producer end -> consumer start per layer (median), idle = slot - inproc slot\n",
+           "passes (two rounds each for stream and floor); slot = producer end -> consumer start per layer "
+           "(median; mean), idle = slot - inproc slot, enq = host ms to enqueue a pass, ahead = passes whose "
+           "host enqueued all layers before the first layer's KDA ended\n",
            prop.name, L, passes);
-    printf("%-4s %-9s %-13s %-14s %10s %8s %9s %9s %8s %10s\n", "H", "workload", "variant", "words", "pass ms",
-           "ratio", "slot ms", "idle ms", "out ==", "ran ahead");
-    for (const Row &r : rows)
-        printf("%-4d %-9s %-13s %-14s %10.3f %7.3fx %9.3f %9.3f %8s %10s\n", r.heads, r.workload.c_str(),
-               r.variant.c_str(), r.words.c_str(), r.t.pass_ms, r.ratio, r.t.slot_ms, r.idle_ms,
-               r.equal ? "yes" : "NO",
-               r.variant.rfind("stream", 0) == 0 ? (r.t.ran_ahead ? "yes" : "no") : "-");
+    printf("%-4s %-9s %-13s %-14s %9s %8s %8s %8s %8s %7s %7s %7s\n", "H", "workload", "variant", "words", "pass ms",
+           "ratio", "slot ms", "mean", "idle ms", "enq ms", "out ==", "ahead");
+    for (const Row &r : rows) {
+        char ahead[16] = "-";
+        if (r.variant != "inproc" && r.variant != "sync")
+            snprintf(ahead, sizeof ahead, "%d/%d", r.t.ahead, r.t.passes);
+        printf("%-4d %-9s %-13s %-14s %9.3f %7.3fx %8.3f %8.3f %8.3f %7.3f %7s %7s\n", r.heads,
+               r.workload.c_str(), r.variant.c_str(), r.words.c_str(), r.t.pass_ms, r.ratio, r.t.slot_ms,
+               r.t.slot_mean_ms, r.idle_ms, r.t.enqueue_ms, r.equal ? "yes" : "NO", ahead);
+    }
     if (json) {
         FILE *f = fopen(json, "w");
         if (!f)
@@ -881,10 +917,12 @@ int main(int argc, char **argv)
             const Row &r = rows[i];
             fprintf(f,
                     "  {\"bench\": \"layers\", \"heads\": %d, \"workload\": \"%s\", \"variant\": \"%s\", "
-                    "\"words\": \"%s\", \"layers\": %d, \"pass_ms\": %.4f, \"ratio_to_inproc\": %.4f, \"slot_ms\": %.4f, "
-                    "\"idle_ms_per_layer\": %.4f, \"out_equal\": %s, \"ran_ahead\": %s}%s\n",
-                    r.heads, r.workload.c_str(), r.variant.c_str(), r.words.c_str(), L, r.t.pass_ms, r.ratio, r.t.slot_ms, r.idle_ms,
-                    r.equal ? "true" : "false", r.t.ran_ahead ? "true" : "false", i + 1 < rows.size() ? "," : "");
+                    "\"words\": \"%s\", \"layers\": %d, \"pass_ms\": %.4f, \"ratio_to_inproc\": %.4f, "
+                    "\"slot_ms\": %.4f, \"slot_mean_ms\": %.4f, \"idle_ms_per_layer\": %.4f, \"enqueue_ms\": %.4f, "
+                    "\"out_equal\": %s, \"ran_ahead\": %s, \"ahead_passes\": %d, \"passes\": %d}%s\n",
+                    r.heads, r.workload.c_str(), r.variant.c_str(), r.words.c_str(), L, r.t.pass_ms, r.ratio,
+                    r.t.slot_ms, r.t.slot_mean_ms, r.idle_ms, r.t.enqueue_ms, r.equal ? "true" : "false",
+                    r.t.ran_ahead ? "true" : "false", r.t.ahead, r.t.passes, i + 1 < rows.size() ? "," : "");
         }
         fprintf(f, "]\n");
         fclose(f);
