@@ -26,20 +26,31 @@
  *           first writes and waits as in stream: what any server in another
  *           process costs per layer at least (the GPU switching between two
  *           processes' contexts), whatever it does on its host.
- * The two stream variants alternate, two rounds of `passes` each, so that
- * both see the same GPU; their medians are over both rounds.
+ * Each of stream, stream-device and floor runs with its semaphore words in
+ * three places (the `words` column):
+ *   host    both in a shared memory region mapped for both GPUs' streams (the
+ *           GPU-side waits poll host memory over PCIe);
+ *   done on device  the ready word there, the done word in device memory (the
+ *           client's wait polls device memory; kdad's host reads ready with a load);
+ *   device  both in device memory: a block of the IPC region that holds the
+ *           tensors, at an offset no tensor uses (kdad's host reads a ready word
+ *           there by a small synchronous copy per check).
+ * The kdad variants alternate, two rounds of `passes` each, and so do the
+ * floor's placements (one server process runs them all, in the same order), so
+ * that all see the same GPU; their medians are over both rounds.
  * Inputs and outputs live in device memory registered with kdad as a CUDA
- * IPC region; the semaphore words in a shared memory region mapped for both
- * GPUs' streams.  Every sequence starts FRESH each pass, so all variants
+ * IPC region.  Every sequence starts FRESH each pass, so all variants
  * compute the same outputs (checked bit for bit, last layer; the output
  * block is set to NaNs before each variant runs).
  *
- * Reported per (H, workload, variant): the median time per forward pass
- * (CUDA events around the pass on the client's stream), its ratio to
- * inproc, the median per layer of the "KDA slot" on the client's stream (from
- * the producer's end to the consumer's start) and of the GPU idle per layer
- * (that slot less inproc's), and for stream whether the host had enqueued
- * all L layers before the first layer's KDA finished.
+ * Reported per (H, workload, variant, words): the median time per forward
+ * pass (CUDA events around the pass on the client's stream), its ratio to
+ * inproc, the median and the mean per layer of the "KDA slot" on the client's
+ * stream (from the producer's end to the consumer's start; a mean above the
+ * median says some layers waited much longer), the GPU idle per layer (the
+ * median slot less inproc's), and for stream and floor the median host time
+ * to enqueue a pass and in how many passes the host had enqueued all L layers
+ * before the first layer's KDA finished.
  */
 #include <algorithm>
 #include <errno.h>
@@ -52,6 +63,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include <vector>
 
@@ -95,12 +107,20 @@ struct Workload {
 struct Timing {
     double pass_ms;       /* median per forward pass */
     double slot_ms;       /* median per layer: producer end -> consumer start */
+    double slot_mean_ms;  /* their mean (the pass less L of these: the copies, and the host when late) */
+    double enqueue_ms;    /* stream, floor: median host time to enqueue a pass (else 0) */
     bool ran_ahead;       /* stream: every pass enqueued all layers before layer 0's KDA ended */
+    int ahead, passes;    /* stream: how many of the passes did */
 };
+
+/* Where a variant's ready and done words live (see the top). */
+enum Place { WORDS_HOST, DONE_DEVICE, WORDS_DEVICE };
+static const Place places[] = {WORDS_HOST, DONE_DEVICE, WORDS_DEVICE};
+static const char *const place_name[] = {"host", "done on device", "device"};
 
 struct Row {
     int heads;
-    std::string workload, variant;
+    std::string workload, variant, words;
     Timing t;
     double ratio, idle_ms;
     bool equal;
@@ -110,6 +130,21 @@ static double median(std::vector<double> v)
 {
     std::sort(v.begin(), v.end());
     return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+static double mean(const std::vector<double> &v)
+{
+    double sum = 0;
+    for (double x : v)
+        sum += x;
+    return v.empty() ? 0.0 : sum / double(v.size());
+}
+
+static double now_ms()
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return double(ts.tv_sec) * 1e3 + double(ts.tv_nsec) / 1e6;
 }
 
 /* A kdad of its own on a socket in a temporary folder. */
@@ -193,12 +228,15 @@ struct Setup {
     int64_t T;
     std::vector<int64_t> lens, cu;
     size_t tok_bytes, beta_bytes, region_bytes;
-    uint8_t *buf;          /* the IPC region: q k v g out blocks, then beta */
+    uint8_t *buf;          /* the IPC region: q k v g beta, out, then the device words */
     uint8_t *src;          /* the producer's source: q k v g beta bytes */
     uint8_t *resid;        /* the consumer's destination */
     size_t in_bytes;       /* q k v g beta */
     uint64_t off_q, off_k, off_v, off_g, off_out, off_beta;
+    uint64_t off_words;    /* WORDS_BYTES of semaphore words: ready at 16 l, done at 16 l + 8 */
 };
+
+#define WORDS_BYTES 4096u
 
 /* Sizes and offsets only (the floor's second process maps the buffer it is given). */
 static void plan_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
@@ -220,7 +258,8 @@ static void plan_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
     s.off_beta = 4 * s.tok_bytes;              /* inputs contiguous: one producer copy */
     s.off_out = 4 * s.tok_bytes + (s.beta_bytes + 4095) / 4096 * 4096;
     s.in_bytes = 4 * s.tok_bytes + s.beta_bytes;
-    s.region_bytes = (s.off_out + s.tok_bytes + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+    s.off_words = (s.off_out + s.tok_bytes + 4095) / 4096 * 4096;
+    s.region_bytes = (s.off_words + WORDS_BYTES + (2u << 20) - 1) / (2u << 20) * (2u << 20);
 }
 
 static void make_setup(Setup &s, int H, int L, const std::vector<int64_t> &lens)
@@ -389,7 +428,7 @@ static Timing inproc(Setup &s, int passes, cudaStream_t st, std::vector<uint16_t
     CK(cudaMemcpy(last_out.data(), b + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
     layers_free(k);
-    return {median(pass_ms), median(slots), false};
+    return {median(pass_ms), median(slots), mean(slots), 0.0, false, 0, passes};
 }
 
 /* What both kdad variants share: the layer, the slots, the regions. */
@@ -495,7 +534,7 @@ static Timing kdad_sync(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vec
     last_out.resize(s.tok_bytes / 2);
     CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
-    return {median(pass_ms), median(slots), false};
+    return {median(pass_ms), median(slots), mean(slots), 0.0, false, 0, passes};
 }
 
 /* Drives the client until ev completes (a failed request releases its wait, so it does). */
@@ -513,12 +552,34 @@ static void drive_until(kdac_client *c, cudaEvent_t ev)
 
 /* Accumulates its passes and slots into acc (two rounds make one Timing). */
 struct StreamAcc {
-    std::vector<double> pass_ms, slots;
-    bool ran_ahead = true;
-    Timing timing() const { return {median(pass_ms), median(slots), ran_ahead}; }
+    std::vector<double> pass_ms, slots, enqueue_ms;
+    int ahead = 0;
+    Timing timing() const
+    {
+        int n = int(pass_ms.size());
+        return {median(pass_ms), median(slots), mean(slots), median(enqueue_ms), ahead == n, ahead, n};
+    }
 };
 
-static void kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out,
+/* Layer l's ready (which 0) or done (1) word in place c: k's shared memory, or the device block of its
+ * IPC region (no host address). */
+static kdac_sem layer_word(const Kdad &k, const Setup &s, Place c, int l, int which, uint64_t value)
+{
+    uint64_t off = 16u * uint64_t(l) + 8u * which;
+    if (c == WORDS_DEVICE || (c == DONE_DEVICE && which == 1))
+        return {k.region, s.off_words + off, value, nullptr, (uint64_t)(uintptr_t)(s.buf + s.off_words + off)};
+    return {k.sem_region, off, value, (uint8_t *)k.sems.base + off, k.sem_dev + off};
+}
+
+/* Both blocks of words back to 0 (nothing waits on them between variants). */
+static void reset_words(Kdad &k, Setup &s, cudaStream_t st)
+{
+    memset(k.sems.base, 0, k.sems.size);
+    CK(cudaMemsetAsync(s.buf + s.off_words, 0, WORDS_BYTES, st));
+    CK(cudaStreamSynchronize(st));
+}
+
+static void kdad_stream(Kdad &k, Setup &s, Place c, int passes, cudaStream_t st, std::vector<uint16_t> &last_out,
                         StreamAcc &acc)
 {
     const int L = s.L;
@@ -526,23 +587,20 @@ static void kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vec
     std::vector<std::vector<kdac_seq>> seqs(L);
     for (int l = 0; l < L; l++)
         seqs[l] = layer_seqs(k, s, l);
-    memset(k.sems.base, 0, k.sems.size);
+    reset_words(k, s, st);
     PassEvents ev;
     ev.init(L);
-    bool ran_ahead = true;
     kdac_error err;
     Answers ans;
     int sent = 0;
     for (int p = -1; p < passes; p++) {
         uint64_t value = uint64_t(p + 2); /* rises every pass: each layer's words are fresh */
+        double t0 = now_ms();
         CK(cudaEventRecord(ev.start, st));
         for (int l = 0; l < L; l++) {
             copy_async(s.buf, s.src, s.in_bytes, st);
             CK(cudaEventRecord(ev.prod[l], st));
-            uint64_t off = 16u * uint64_t(l);
-            kdac_sem ready = {k.sem_region, off, value, (uint8_t *)k.sems.base + off, k.sem_dev + off};
-            kdac_sem done = {k.sem_region, off + 8, value, (uint8_t *)k.sems.base + off + 8,
-                             k.sem_dev + off + 8};
+            kdac_sem ready = layer_word(k, s, c, l, 0, value), done = layer_word(k, s, c, l, 1, value);
             if (kdac_prefill_on_stream(k.c, st, "bench.kda", seqs[l].data(), uint32_t(s.nseq), &ready, &done,
                                        on_answer, &ans, &err) != KDAC_OK)
                 die("prefill on stream", err.message);
@@ -551,14 +609,16 @@ static void kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vec
             copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
         }
         CK(cudaEventRecord(ev.stop, st));
-        if (p >= 0 && cudaEventQuery(ev.cons[0]) != cudaErrorNotReady)
-            ran_ahead = false;
+        double enq = now_ms() - t0;
+        bool ahead = cudaEventQuery(ev.cons[0]) == cudaErrorNotReady;
         drive_until(k.c, ev.stop);
         std::vector<double> sl;
         double ms = ev.read(sl);
         if (p >= 0) {
             acc.pass_ms.push_back(ms);
             acc.slots.insert(acc.slots.end(), sl.begin(), sl.end());
+            acc.enqueue_ms.push_back(enq);
+            acc.ahead += ahead;
         }
     }
     while (ans.done < sent) {
@@ -572,7 +632,6 @@ static void kdad_stream(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vec
     last_out.resize(s.tok_bytes / 2);
     CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
-    acc.ran_ahead &= ran_ahead;
 }
 
 /* Stream memory operations through the driver (the runtime has none). */
@@ -588,8 +647,25 @@ static value64_fn driver_value64(const char *name)
     return (value64_fn)fn;
 }
 
-/* The floor's server: H L passes lens ipc-handle(hex) words-fd words-bytes.  Waits for each
- * layer's ready word, runs it, writes its done word (values as kdad_stream's), for every pass. */
+/* A floor run's word of layer l (which 0: ready, 1: done) in place c, as a device address: the shared
+ * memory's mapping (host) or the IPC region's word block (device). */
+static uint64_t floor_word(uint64_t host_dev, const Setup &s, Place c, int l, int which)
+{
+    uint64_t off = 16u * uint64_t(l) + 8u * which;
+    if (c == WORDS_DEVICE || (c == DONE_DEVICE && which == 1))
+        return (uint64_t)(uintptr_t)(s.buf + s.off_words + off);
+    return host_dev + off;
+}
+
+/* The value of pass p of the floor's run r: rising over every run, so that no word needs a reset. */
+static uint64_t floor_value(int r, int passes, int p)
+{
+    return uint64_t(r) * uint64_t(passes + 1) + uint64_t(p + 2);
+}
+
+/* The floor's server: H L passes lens ipc-handle(hex) words-fd words-bytes runs (one place digit a
+ * run).  Waits for each layer's ready word, runs it, writes its done word (values and places as
+ * floor_pair's), for every pass of every run. */
 static int floor_server(char **a)
 {
     const int H = atoi(a[0]), L = atoi(a[1]), passes = atoi(a[2]);
@@ -604,6 +680,7 @@ static int floor_server(char **a)
         sscanf(a[4] + 2 * i, "%2hhx", (unsigned char *)&h + i);
     const int fd = atoi(a[5]);
     const size_t bytes = strtoull(a[6], nullptr, 10);
+    const std::string runs = a[7];
     Setup s;
     plan_setup(s, H, L, lens);
     CK(cudaIpcOpenMemHandle((void **)&s.buf, h, cudaIpcMemLazyEnablePeerAccess));
@@ -618,14 +695,18 @@ static int floor_server(char **a)
     layers_init(k, s, s.buf);
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    for (int p = -1; p < passes; p++) {
-        for (int l = 0; l < L; l++) {
-            uint64_t value = uint64_t(p + 2), off = 16u * uint64_t(l);
-            if (wait64((CUstream)st, dev + off, value, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
-                die("floor", "cuStreamWaitValue64");
-            layers_run(k, s, l, st);
-            if (write64((CUstream)st, dev + off + 8, value, 0) != CUDA_SUCCESS)
-                die("floor", "cuStreamWriteValue64");
+    for (size_t r = 0; r < runs.size(); r++) {
+        Place c = Place(runs[r] - '0');
+        for (int p = -1; p < passes; p++) {
+            for (int l = 0; l < L; l++) {
+                uint64_t value = floor_value(int(r), passes, p);
+                if (wait64((CUstream)st, floor_word(dev, s, c, l, 0), value, CU_STREAM_WAIT_VALUE_GEQ) !=
+                    CUDA_SUCCESS)
+                    die("floor", "cuStreamWaitValue64");
+                layers_run(k, s, l, st);
+                if (write64((CUstream)st, floor_word(dev, s, c, l, 1), value, 0) != CUDA_SUCCESS)
+                    die("floor", "cuStreamWriteValue64");
+            }
         }
     }
     CK(cudaStreamSynchronize(st));
@@ -633,20 +714,26 @@ static int floor_server(char **a)
     return 0;
 }
 
-/* The floor's client: kdad_stream's loop against floor_server, words in k's semaphore region. */
-static Timing floor_pair(Kdad &k, Setup &s, int passes, cudaStream_t st, std::vector<uint16_t> &last_out)
+/* The floor's client: kdad_stream's loop against floor_server, `rounds` rounds of every place in
+ * `places` order, one server for all; words in k's semaphore region or the IPC region's word block.
+ * acc and equal: one per place. */
+static void floor_pair(Kdad &k, Setup &s, int passes, int rounds, cudaStream_t st,
+                       const std::vector<uint16_t> &ref, std::vector<StreamAcc> &acc, std::vector<bool> &equal)
 {
     const int L = s.L;
-    clear_output(s, st);
-    memset(k.sems.base, 0, k.sems.size);
+    const int nplaces = int(sizeof places / sizeof places[0]);
+    reset_words(k, s, st);
     cudaIpcMemHandle_t h;
     CK(cudaIpcGetMemHandle(&h, s.buf));
     char hex[2 * sizeof h + 1], args[4][32];
     for (size_t i = 0; i < sizeof h; i++)
         snprintf(hex + 2 * i, 3, "%02x", ((unsigned char *)&h)[i]);
-    std::string lens;
+    std::string lens, runs;
     for (int64_t n : s.lens)
         lens += (lens.empty() ? "" : ",") + std::to_string(n);
+    for (int r = 0; r < rounds; r++)
+        for (Place c : places)
+            runs += char('0' + c);
     int fd = dup(k.sems.fd); /* without close-on-exec */
     snprintf(args[0], sizeof args[0], "%d", s.H);
     snprintf(args[1], sizeof args[1], "%d", L);
@@ -657,53 +744,64 @@ static Timing floor_pair(Kdad &k, Setup &s, int passes, cudaStream_t st, std::ve
     pid_t pid = fork();
     if (pid == 0) {
         execl("/proc/self/exe", "bench_layers", "--floor-server", args[0], args[1], args[2], lens.c_str(), hex,
-              args[3], bytes, (char *)nullptr);
+              args[3], bytes, runs.c_str(), (char *)nullptr);
         _exit(127);
     }
     close(fd);
     value64_fn wait64 = driver_value64("cuStreamWaitValue64"), write64 = driver_value64("cuStreamWriteValue64");
     PassEvents ev;
     ev.init(L);
-    std::vector<double> pass_ms, slots;
-    for (int p = -1; p < passes; p++) {
-        uint64_t value = uint64_t(p + 2);
-        CK(cudaEventRecord(ev.start, st));
-        for (int l = 0; l < L; l++) {
-            copy_async(s.buf, s.src, s.in_bytes, st);
-            CK(cudaEventRecord(ev.prod[l], st));
-            uint64_t off = 16u * uint64_t(l);
-            if (write64((CUstream)st, k.sem_dev + off, value, 0) != CUDA_SUCCESS ||
-                wait64((CUstream)st, k.sem_dev + off + 8, value, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS)
-                die("floor", "stream memory operations");
-            CK(cudaEventRecord(ev.cons[l], st));
-            copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
+    acc.assign(nplaces, StreamAcc());
+    equal.assign(nplaces, true);
+    for (size_t r = 0; r < runs.size(); r++) {
+        Place c = Place(runs[r] - '0');
+        clear_output(s, st);
+        for (int p = -1; p < passes; p++) {
+            uint64_t value = floor_value(int(r), passes, p);
+            double t0 = now_ms();
+            CK(cudaEventRecord(ev.start, st));
+            for (int l = 0; l < L; l++) {
+                copy_async(s.buf, s.src, s.in_bytes, st);
+                CK(cudaEventRecord(ev.prod[l], st));
+                if (write64((CUstream)st, floor_word(k.sem_dev, s, c, l, 0), value, 0) != CUDA_SUCCESS ||
+                    wait64((CUstream)st, floor_word(k.sem_dev, s, c, l, 1), value, CU_STREAM_WAIT_VALUE_GEQ) !=
+                        CUDA_SUCCESS)
+                    die("floor", "stream memory operations");
+                CK(cudaEventRecord(ev.cons[l], st));
+                copy_async(s.resid, s.buf + s.off_out, s.tok_bytes, st);
+            }
+            CK(cudaEventRecord(ev.stop, st));
+            double enq = now_ms() - t0;
+            bool ahead = cudaEventQuery(ev.cons[0]) == cudaErrorNotReady;
+            while (cudaEventQuery(ev.stop) == cudaErrorNotReady) {
+                int status;
+                if (waitpid(pid, &status, WNOHANG) == pid)
+                    die("floor", "its server exited early");
+            }
+            std::vector<double> sl;
+            double ms = ev.read(sl);
+            if (p >= 0) {
+                acc[c].pass_ms.push_back(ms);
+                acc[c].slots.insert(acc[c].slots.end(), sl.begin(), sl.end());
+                acc[c].enqueue_ms.push_back(enq);
+                acc[c].ahead += ahead;
+            }
         }
-        CK(cudaEventRecord(ev.stop, st));
-        while (cudaEventQuery(ev.stop) == cudaErrorNotReady) {
-            int status;
-            if (waitpid(pid, &status, WNOHANG) == pid)
-                die("floor", "its server exited early");
-        }
-        std::vector<double> sl;
-        double ms = ev.read(sl);
-        if (p >= 0) {
-            pass_ms.push_back(ms);
-            slots.insert(slots.end(), sl.begin(), sl.end());
-        }
+        /* the server finished this run's kernels before their done words: the output is the last layer's */
+        std::vector<uint16_t> out(s.tok_bytes / 2);
+        CK(cudaMemcpy(out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
+        equal[c] = equal[c] && out == ref;
     }
     int status = 0;
     waitpid(pid, &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
         die("floor", "its server failed");
-    last_out.resize(s.tok_bytes / 2);
-    CK(cudaMemcpy(last_out.data(), s.buf + s.off_out, s.tok_bytes, cudaMemcpyDeviceToHost));
     ev.destroy();
-    return {median(pass_ms), median(slots), true};
 }
 
 int main(int argc, char **argv)
 {
-    if (argc == 9 && !strcmp(argv[1], "--floor-server"))
+    if (argc == 10 && !strcmp(argv[1], "--floor-server"))
         return floor_server(argv + 2);
     const char *kdad = nullptr, *json = nullptr;
     int L = 20, passes = 10;
@@ -743,36 +841,50 @@ int main(int argc, char **argv)
         for (const Workload &w : workloads) {
             Setup s;
             make_setup(s, H, L, w.lens);
-            std::vector<uint16_t> o_in, o_sync, o_dev, o_host;
+            std::vector<uint16_t> o_in, o_sync;
             Timing ti = inproc(s, passes, st, o_in);
             Kdad k, kh;
             kdad_setup(k, c, s);
             kdad_setup(kh, ch, s);
             Timing ts = kdad_sync(k, s, passes, st, o_sync);
-            StreamAcc adev, ahost;
-            bool equal_dev = true, equal_host = true;
+            /* per place: the host path (kh), the device-side wait (k), the floor */
+            const int np = int(sizeof places / sizeof places[0]);
+            std::vector<StreamAcc> ahost(np), adev(np), afloor;
+            std::vector<bool> equal_host(np, true), equal_dev(np, true), equal_floor;
+            std::vector<uint16_t> o;
             for (int round = 0; round < 2; round++) {
-                kdad_stream(kh, s, passes, st, o_host, ahost);
-                equal_host &= o_host == o_in;
-                kdad_stream(k, s, passes, st, o_dev, adev);
-                equal_dev &= o_dev == o_in;
+                for (Place c : places) {
+                    kdad_stream(kh, s, c, passes, st, o, ahost[c]);
+                    equal_host[c] = equal_host[c] && o == o_in;
+                }
+                for (Place c : places) {
+                    kdad_stream(k, s, c, passes, st, o, adev[c]);
+                    equal_dev[c] = equal_dev[c] && o == o_in;
+                }
             }
-            Timing tdev = adev.timing(), thost = ahost.timing();
-            std::vector<uint16_t> o_floor;
-            Timing tf = floor_pair(k, s, passes, st, o_floor);
+            floor_pair(k, s, passes, 2, st, o_in, afloor, equal_floor);
             kdad_teardown(k);
             kdad_teardown(kh);
             free_setup(s);
-            rows.push_back({H, w.name, "inproc", ti, 1.0, 0.0, true});
-            rows.push_back({H, w.name, "sync", ts, ts.pass_ms / ti.pass_ms, ts.slot_ms - ti.slot_ms, o_sync == o_in});
-            rows.push_back({H, w.name, "stream", thost, thost.pass_ms / ti.pass_ms, thost.slot_ms - ti.slot_ms,
-                            equal_host});
-            rows.push_back({H, w.name, "stream-device", tdev, tdev.pass_ms / ti.pass_ms, tdev.slot_ms - ti.slot_ms,
-                            equal_dev});
-            rows.push_back({H, w.name, "floor", tf, tf.pass_ms / ti.pass_ms, tf.slot_ms - ti.slot_ms,
-                            o_floor == o_in});
-            fprintf(stderr, "H%d %s: inproc %.3f ms, sync %.3f ms, stream %.3f ms, stream-device %.3f ms, floor %.3f ms "
-                    "per pass\n", H, w.name.c_str(), ti.pass_ms, ts.pass_ms, thost.pass_ms, tdev.pass_ms, tf.pass_ms);
+            rows.push_back({H, w.name, "inproc", "-", ti, 1.0, 0.0, true});
+            rows.push_back({H, w.name, "sync", "-", ts, ts.pass_ms / ti.pass_ms, ts.slot_ms - ti.slot_ms,
+                            o_sync == o_in});
+            const struct {
+                const char *name;
+                std::vector<StreamAcc> &acc;
+                std::vector<bool> &equal;
+            } kinds[] = {{"stream", ahost, equal_host}, {"stream-device", adev, equal_dev},
+                         {"floor", afloor, equal_floor}};
+            fprintf(stderr, "H%d %s: inproc %.3f ms, sync %.3f ms", H, w.name.c_str(), ti.pass_ms, ts.pass_ms);
+            for (const auto &kd : kinds) {
+                for (Place c : places) {
+                    Timing t = kd.acc[c].timing();
+                    rows.push_back({H, w.name, kd.name, place_name[c], t, t.pass_ms / ti.pass_ms,
+                                    t.slot_ms - ti.slot_ms, kd.equal[c]});
+                    fprintf(stderr, ", %s (words %s) %.3f ms", kd.name, place_name[c], t.pass_ms);
+                }
+            }
+            fprintf(stderr, " per pass\n");
         }
         kdac_client_close(c);
         kdac_client_close(ch);
@@ -782,14 +894,20 @@ int main(int argc, char **argv)
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("\nlayer loop on %s: %d layers (producer copy, KDA, consumer copy) per forward pass, median of %d "
-           "passes; slot = producer end -> consumer start per layer (median), idle = slot - inproc slot\n",
+           "passes (two rounds each for stream and floor); slot = producer end -> consumer start per layer "
+           "(median; mean), idle = slot - inproc slot, enq = host ms to enqueue a pass, ahead = passes whose "
+           "host enqueued all layers before the first layer's KDA ended\n",
            prop.name, L, passes);
-    printf("%-4s %-9s %-13s %10s %8s %9s %9s %8s %10s\n", "H", "workload", "variant", "pass ms", "ratio",
-           "slot ms", "idle ms", "out ==", "ran ahead");
-    for (const Row &r : rows)
-        printf("%-4d %-9s %-13s %10.3f %7.3fx %9.3f %9.3f %8s %10s\n", r.heads, r.workload.c_str(),
-               r.variant.c_str(), r.t.pass_ms, r.ratio, r.t.slot_ms, r.idle_ms, r.equal ? "yes" : "NO",
-               r.variant.rfind("stream", 0) == 0 ? (r.t.ran_ahead ? "yes" : "no") : "-");
+    printf("%-4s %-9s %-13s %-14s %9s %8s %8s %8s %8s %7s %7s %7s\n", "H", "workload", "variant", "words", "pass ms",
+           "ratio", "slot ms", "mean", "idle ms", "enq ms", "out ==", "ahead");
+    for (const Row &r : rows) {
+        char ahead[16] = "-";
+        if (r.variant != "inproc" && r.variant != "sync")
+            snprintf(ahead, sizeof ahead, "%d/%d", r.t.ahead, r.t.passes);
+        printf("%-4d %-9s %-13s %-14s %9.3f %7.3fx %8.3f %8.3f %8.3f %7.3f %7s %7s\n", r.heads,
+               r.workload.c_str(), r.variant.c_str(), r.words.c_str(), r.t.pass_ms, r.ratio, r.t.slot_ms,
+               r.t.slot_mean_ms, r.idle_ms, r.t.enqueue_ms, r.equal ? "yes" : "NO", ahead);
+    }
     if (json) {
         FILE *f = fopen(json, "w");
         if (!f)
@@ -799,10 +917,12 @@ int main(int argc, char **argv)
             const Row &r = rows[i];
             fprintf(f,
                     "  {\"bench\": \"layers\", \"heads\": %d, \"workload\": \"%s\", \"variant\": \"%s\", "
-                    "\"layers\": %d, \"pass_ms\": %.4f, \"ratio_to_inproc\": %.4f, \"slot_ms\": %.4f, "
-                    "\"idle_ms_per_layer\": %.4f, \"out_equal\": %s, \"ran_ahead\": %s}%s\n",
-                    r.heads, r.workload.c_str(), r.variant.c_str(), L, r.t.pass_ms, r.ratio, r.t.slot_ms, r.idle_ms,
-                    r.equal ? "true" : "false", r.t.ran_ahead ? "true" : "false", i + 1 < rows.size() ? "," : "");
+                    "\"words\": \"%s\", \"layers\": %d, \"pass_ms\": %.4f, \"ratio_to_inproc\": %.4f, "
+                    "\"slot_ms\": %.4f, \"slot_mean_ms\": %.4f, \"idle_ms_per_layer\": %.4f, \"enqueue_ms\": %.4f, "
+                    "\"out_equal\": %s, \"ran_ahead\": %s, \"ahead_passes\": %d, \"passes\": %d}%s\n",
+                    r.heads, r.workload.c_str(), r.variant.c_str(), r.words.c_str(), L, r.t.pass_ms, r.ratio,
+                    r.t.slot_ms, r.t.slot_mean_ms, r.idle_ms, r.t.enqueue_ms, r.equal ? "true" : "false",
+                    r.t.ran_ahead ? "true" : "false", r.t.ahead, r.t.passes, i + 1 < rows.size() ? "," : "");
         }
         fprintf(f, "]\n");
         fclose(f);

@@ -17,7 +17,8 @@
 #   .device/bin/test_cuda_kernel_*.  `stream` runs the stream-ordered prefills' GPU suite
 #   (test_daemon_stream_cuda) and bench_layers (the 20-layer loop: in process, kdad synchronised,
 #   kdad stream-ordered with and without the device-side wait, a bare second process as the
-#   floor; h200-layers.json).
+#   floor, each with its semaphore words in host memory, the done word in device memory, or
+#   both in device memory; h200-layers.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/kdad-gpu}
