@@ -63,22 +63,32 @@
  * regions are device memory the kernel uses directly.
  *
  * Decode steps (kd_batch_step) run the step kernel (kda_cuda_step), one
- * launch per step, on a fourth stream, `steps`: it forks from `stream` after
- * the copies in and slot operations and joins it again before the copies
- * out, so in a batch that holds both, the steps run beside the prefill
- * graph instead of behind its chains (their slots differ from the graph's:
- * a batch names each slot once, and a slot's next request forms only after
- * its batch is done).  Their descriptors go in one copy of the step table
+ * launch per step.  In a batch with a prefill graph they run on a fourth
+ * stream, `steps`: it forks from `stream` before the batch's work there
+ * (after every earlier batch's), waits for the copies in only when some step
+ * input is staged, and joins `stream` again before the copies out, so the
+ * steps run beside the prefill graph instead of behind its chains (their
+ * slots differ from the graph's: a batch names each slot once, and a slot's
+ * next request forms only after its batch is done, or, for a step answered
+ * apart, its next batch runs after this one's join).  When no step output
+ * waits for the copies out, the steps are answered apart: s0_ev and s1_ev
+ * bracket them and they write their own done word (steps_done_host), which
+ * the completion thread watches before the batch's end, so their requests
+ * are answered when the steps are done (kd_backend_steps_done), not when the
+ * prefill is.  Their descriptors go in one copy of the step table
  * [kda_step x nsteps | kda_step_seq x sequences]; inline inputs and outputs
  * are staged as a prefill's, region tensors used in place (shared memory
  * through its device alias).  The step kernel reads its descriptors from
- * device memory when it runs, so it is graph-safe; it is launched directly
- * (a step is one or two driver calls).  A batch of steps alone (no prefill
- * graph to run beside) stays on `stream`: no fork, no join.  With nothing to
- * copy out it is watched through its done word, written after its last
- * event; with nothing to copy at all and no slot operations it is, like a
- * graph-only batch, [step table copy, k0_ev, step kernels, k1_ev, done word]:
- * five driver calls.
+ * device memory when it runs, so it is graph-safe.  A batch of steps alone
+ * (no prefill graph to run beside) stays on `stream`: no fork, no join.  With
+ * nothing to copy out it is watched through its done word, written after its
+ * last event; with nothing to copy at all and no slot operations it is, like
+ * a graph-only batch, [step table copy, k0_ev, step kernel, k1_ev, done
+ * word]: one step is the replay of the buffer's step graph (one driver call;
+ * its copy's size and kernel's grid are updated in the executable graph when
+ * the step's sequence count changes, two more calls), several steps five
+ * calls and one per further step.  A driver that cannot capture or update
+ * the step graph gets the direct launches.
  *
  * Gated prefills (a ready word not written yet) whose tensors are all device
  * memory may be queued before their words come, each on a lane of its own
@@ -171,14 +181,31 @@ typedef struct cuda_buf {
     uint8_t *steps_host, *steps_dev; /* the step table: pinned, and its device copy */
     uint32_t steps_cap;     /* steps, and step sequences, it holds */
     uint64_t steps_bytes;   /* of this batch's table */
+    bool steps_in, steps_out; /* some step's inputs / outputs go through staging */
     cudaEvent_t fork_ev, join_ev;                 /* the steps stream's order against `stream` */
+    cudaEvent_t s0_ev, s1_ev; /* the steps of a batch that answers them apart (timing; s1_ev
+                                 tells their end when steps_done_host cannot) */
+    bool steps_apart;       /* this batch's steps are answered when they end (kd_backend_steps_done) */
     uint32_t *done_host;    /* the graphs write 1 here last (pinned, mapped); NULL: they do not */
     CUdeviceptr done_dev;   /* its device alias */
+    uint32_t *steps_done_host; /* the steps stream writes 1 here after steps answered apart */
+    CUdeviceptr steps_done_dev;
     bool watch_done;        /* this batch is the graph alone: done_host tells its end */
     cudaGraphExec_t *graphs; /* one per bucket */
+    /* The step graph [step table copy, k0_ev, step kernel, k1_ev, done word] for a batch of one
+     * step alone (NULL: launched directly).  Captured for max_seqs sequences; before a replay
+     * for another count, the copy's size and the kernel's grid are updated in the executable
+     * graph (step_graph keeps the nodes those updates name). */
+    cudaGraph_t step_graph;
+    cudaGraphExec_t step_exec;
+    cudaGraphNode_t step_copy, step_kernel;
+    struct cudaKernelNodeParams step_params; /* as captured */
+    uint32_t step_grid_per_seq; /* the kernel's blocks per sequence (its grid is linear in them) */
+    uint32_t step_seqs;         /* the sequences the executable graph is set for now */
     /* set by the completion thread (under the backend's mutex) */
     cudaError_t sync_err;
     uint64_t signaled_ns;
+    uint64_t steps_signaled_ns;
 } cuda_buf;
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr ptr);
@@ -284,6 +311,8 @@ typedef struct cuda_backend {
     uint32_t npending;
     cuda_buf *signaled[KD_CUDA_DEPTH]; /* seen done, not yet taken by the loop: in order */
     uint32_t nsignaled;
+    cuda_buf *steps_signaled[KD_CUDA_DEPTH]; /* steps answered apart seen done, not yet taken */
+    uint32_t nsteps_signaled;
     int stop;                /* the thread exits (read atomically while it polls) */
 } cuda_backend;
 
@@ -412,6 +441,7 @@ static bool stage_steps(cuda_backend *cb, cuda_buf *bf, kd_batch *b)
     for (uint32_t s = 0; s < b->nsteps; s++)
         nseqs += b->steps[s].nseqs;
     bf->steps_bytes = 0;
+    bf->steps_in = bf->steps_out = false;
     if (b->nsteps == 0)
         return true;
     if (b->nsteps > bf->steps_cap || nseqs > bf->steps_cap) {
@@ -438,6 +468,7 @@ static bool stage_steps(cuda_backend *cb, cuda_buf *bf, kd_batch *b)
             }
             memcpy(bf->in_host + off, st->in[t].host, n);
             in[t] = bf->in_dev + off;
+            bf->steps_in = true;
         }
         void *out = st->out.dev;
         if (!out) {
@@ -448,6 +479,7 @@ static bool stage_steps(cuda_backend *cb, cuda_buf *bf, kd_batch *b)
             }
             add_out(bf, st->out.host, off, n, 0, KDA_DTYPE_BF16);
             out = bf->out_dev + off;
+            bf->steps_out = true;
         }
         memcpy(seqs + used, st->seqs, st->nseqs * sizeof(*seqs));
         steps[s] = (kda_step){.q = in[0], .k = in[1], .v = in[2], .g = in[3], .beta = in[4],
@@ -641,7 +673,8 @@ static void on_spin(uv_idle_t *h)
 {
     cuda_backend *cb = h->data;
     pthread_mutex_lock(&cb->mu);
-    const bool signaled = cb->nsignaled > 0, running = cb->npending > 0;
+    const bool signaled = cb->nsignaled > 0 || cb->nsteps_signaled > 0,
+               running = cb->npending > 0;
     pthread_mutex_unlock(&cb->mu);
     if (signaled)
         on_wake(&cb->wake);   /* the doorbell's callback then finds nothing left */
@@ -660,30 +693,67 @@ static void wait_for(cuda_backend *cb, cuda_buf *bf)
         uv_idle_start(&cb->spin, on_spin);
 }
 
+/* Sets the step graph for a step of n sequences (the table copy's size, the kernel's grid) unless
+ * it is set for n already; on an error the graph is dropped (steps are then launched directly). */
+static bool set_step_graph(cuda_buf *bf, uint32_t n)
+{
+    if (n == bf->step_seqs)
+        return true;
+    struct cudaKernelNodeParams p = bf->step_params;
+    p.gridDim.x = bf->step_grid_per_seq * n;
+    cudaError_t e = cudaGraphExecKernelNodeSetParams(bf->step_exec, bf->step_kernel, &p);
+    if (e == cudaSuccess)
+        e = cudaGraphExecMemcpyNodeSetParams1D(bf->step_exec, bf->step_copy, bf->steps_dev,
+                                               bf->steps_host, bf->steps_bytes,
+                                               cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) {
+        bf->step_seqs = n;
+        return true;
+    }
+    (void)cudaGetLastError(); /* an update refused is no device fault */
+    KD_WARN("cuda backend: updating the step graph for %u sequences: %s; steps are launched "
+            "directly", n, cudaGetErrorString(e));
+    cudaGraphExecDestroy(bf->step_exec);
+    cudaGraphDestroy(bf->step_graph);
+    bf->step_exec = NULL;
+    bf->step_graph = NULL;
+    return false;
+}
+
 /* The steps of a batch.  Beside a prefill graph they run on the steps stream,
- * forked from `stream` after everything before them there (copies in, slot
- * operations) and joined back by the caller.  Without one (steps alone, the
- * decode loop's batches) they run on `stream` itself: the fork and join are
+ * forked from `stream` before this batch's work there (after every earlier
+ * batch's: their slots may be the same), and behind the copies in only when
+ * some of their inputs are staged; the caller joins them back before the
+ * copies out.  Answered apart (steps_apart), they are bracketed by s0_ev and
+ * s1_ev, then write their done word.  Without a prefill graph (steps alone,
+ * the decode loop's batches) they run on `stream` itself: the fork and join are
  * four driver calls and two cross-stream waits on the device for nothing to
  * overlap; the kernel's timing events then bracket them (a prefill graph
- * records its own). */
-static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, const char **what)
+ * records its own), and one step with nothing else to do is the step graph's
+ * replay (graph). */
+static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, bool graph, const char **what)
 {
     const kd_batch *b = bf->batch;
     const bool alone = b->nseqs == 0;
     cudaStream_t s_steps = alone ? cb->stream : cb->steps;
     cudaError_t e = cudaSuccess;
     *what = "launching the steps";
+    if (graph && set_step_graph(bf, b->steps[0].nseqs))
+        return cudaGraphLaunch(bf->step_exec, cb->stream); /* k0_ev, kernel, k1_ev, done word */
     if (!alone) {
         e = cudaEventRecord(bf->fork_ev, cb->stream);
         if (e == cudaSuccess)
             e = cudaStreamWaitEvent(cb->steps, bf->fork_ev, 0);
+        if (e == cudaSuccess && bf->steps_in)
+            e = cudaStreamWaitEvent(cb->steps, bf->in_ev, 0);
     }
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(bf->steps_dev, bf->steps_host, bf->steps_bytes,
                             cudaMemcpyHostToDevice, s_steps);
-    if (e == cudaSuccess && alone)
-        e = cudaEventRecord(bf->k0_ev, s_steps);
+    cudaEvent_t t0 = alone ? bf->k0_ev : bf->s0_ev, t1 = alone ? bf->k1_ev : bf->s1_ev;
+    const bool timed = alone || bf->steps_apart;
+    if (e == cudaSuccess && timed)
+        e = cudaEventRecord(t0, s_steps);
     const kda_step *steps = (const kda_step *)bf->steps_dev;
     for (uint32_t s = 0; e == cudaSuccess && s < b->nsteps; s++) {
         kda_error kerr;
@@ -694,8 +764,11 @@ static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, const char **wh
                 e = cudaErrorLaunchFailure;
         }
     }
-    if (e == cudaSuccess && alone)
-        e = cudaEventRecord(bf->k1_ev, s_steps);
+    if (e == cudaSuccess && timed)
+        e = cudaEventRecord(t1, s_steps);
+    if (e == cudaSuccess && bf->steps_apart && bf->steps_done_host &&
+        cb->write_value((CUstream)cb->steps, bf->steps_done_dev, 1, 0) != CUDA_SUCCESS)
+        e = cudaErrorUnknown;
     if (e == cudaSuccess && !alone)
         e = cudaEventRecord(bf->join_ev, cb->steps);
     return e;
@@ -715,12 +788,18 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
     /* the step kernels alone (no copies, no slot operations): their timing events are the
      * batch's bracket, as a graph's are, and no other event is recorded */
     bool steps_bare = steps_only && !copy_in && b->nops == 0;
+    /* one step alone: the step graph writes the done word itself */
+    bool step_graph = steps_bare && b->nsteps == 1 && b->ndones == 0 && bf->step_exec;
     bool kernel_only = graph_only || steps_bare;
     bf->first_ev = kernel_only ? bf->k0_ev : bf->begin_ev;
     bf->last_ev = kernel_only ? bf->k1_ev : bf->end_ev;
     bf->watch_done = (graph_only || steps_only) && bf->done_host != NULL;
+    /* steps beside a prefill, none of whose outputs wait for the copies out */
+    bf->steps_apart = b->nsteps > 0 && b->nseqs > 0 && !bf->steps_out && cb->base.steps_done;
     if (bf->watch_done)
         __atomic_store_n(bf->done_host, 0, __ATOMIC_RELAXED); /* the launch call orders it */
+    if (bf->steps_apart && bf->steps_done_host)
+        __atomic_store_n(bf->steps_done_host, 0, __ATOMIC_RELAXED);
     *what = "copying inputs to the device";
     if (copy_in) {
         e = cudaEventRecord(bf->begin_ev, cb->h2d);
@@ -733,17 +812,21 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         }
         if (e == cudaSuccess)
             e = cudaEventRecord(bf->in_ev, cb->h2d);
-        if (e == cudaSuccess)
-            e = cudaStreamWaitEvent(cb->stream, bf->in_ev, 0);
     } else if (!kernel_only) {
         e = cudaEventRecord(bf->begin_ev, cb->stream);
+    }
+    if (e == cudaSuccess && b->nsteps > 0 && b->nseqs > 0)
+        e = enqueue_steps(cb, bf, false, what); /* forked before the wait for the copies in */
+    if (e == cudaSuccess && copy_in) {
+        *what = "copying inputs to the device";
+        e = cudaStreamWaitEvent(cb->stream, bf->in_ev, 0);
     }
     for (uint32_t i = 0; e == cudaSuccess && i < b->nops; i++) {
         *what = "a slot operation";
         e = enqueue_op(cb, bf, i);
     }
-    if (e == cudaSuccess && b->nsteps > 0)
-        e = enqueue_steps(cb, bf, what);
+    if (e == cudaSuccess && b->nsteps > 0 && b->nseqs == 0)
+        e = enqueue_steps(cb, bf, step_graph, what);
     if (e == cudaSuccess && b->nseqs > 0) {
         *what = "replaying the prefill graph"; /* it records k0_ev and k1_ev itself */
         e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
@@ -781,7 +864,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         *what = "recording the completion event";
         e = cudaEventRecord(bf->end_ev, copy_out ? cb->d2h : cb->stream);
     }
-    if (e == cudaSuccess && steps_only && bf->watch_done) {
+    if (e == cudaSuccess && steps_only && bf->watch_done && !(step_graph && bf->step_exec)) {
         *what = "writing the done word";
         if (cb->write_value((CUstream)cb->stream, bf->done_dev, 1, 0) != CUDA_SUCCESS)
             e = cudaErrorUnknown;
@@ -867,23 +950,23 @@ static bool stopping(cuda_backend *cb)
     return __atomic_load_n(&cb->stop, __ATOMIC_RELAXED);
 }
 
-/* Waits for a batch to end: cudaSuccess, or the device's error (cudaErrorNotReady: the thread
- * is stopping). */
-static cudaError_t wait_batch(cuda_backend *cb, const cuda_buf *bf)
+/* Waits for the end of what `word` (NULL: none) and `ev` follow on the device: cudaSuccess, or
+ * the device's error (cudaErrorNotReady: the thread is stopping). */
+static cudaError_t wait_signal(cuda_backend *cb, const uint32_t *word, cudaEvent_t ev)
 {
     if (cb->completion == KD_CUDA_COMPLETION_BLOCK)
-        return cudaEventSynchronize(bf->last_ev);
-    if (bf->watch_done) {
+        return cudaEventSynchronize(ev);
+    if (word) {
         /* The done word costs no driver call.  Its event, asked now and then, reports a device
          * fault (then the word never comes); its success does not end the wait, since the
          * word's write would still be on its way and could land after the buffer's next
          * batch cleared it. */
         uint64_t ask = uv_hrtime() + KD_CUDA_FAULT_POLL_NS;
-        while (!__atomic_load_n(bf->done_host, __ATOMIC_ACQUIRE)) {
+        while (!__atomic_load_n(word, __ATOMIC_ACQUIRE)) {
             if (stopping(cb))
                 return cudaErrorNotReady;
             if (uv_hrtime() >= ask) {
-                cudaError_t e = cudaEventQuery(bf->last_ev);
+                cudaError_t e = cudaEventQuery(ev);
                 if (e != cudaSuccess && e != cudaErrorNotReady)
                     return e;
                 ask = uv_hrtime() + KD_CUDA_FAULT_POLL_NS;
@@ -893,7 +976,7 @@ static cudaError_t wait_batch(cuda_backend *cb, const cuda_buf *bf)
         return cudaSuccess;
     }
     for (;;) {
-        cudaError_t e = cudaEventQuery(bf->last_ev);
+        cudaError_t e = cudaEventQuery(ev);
         if (e != cudaErrorNotReady)
             return e;
         if (stopping(cb))
@@ -916,7 +999,24 @@ static void *waiter_main(void *arg)
             break;
         cuda_buf *bf = cb->pending[0];
         pthread_mutex_unlock(&cb->mu);
-        cudaError_t e = wait_batch(cb, bf);
+        cudaError_t e = cudaSuccess;
+        if (bf->steps_apart) {
+            /* its steps first; a fault there is the batch's too, reported at its end */
+            e = wait_signal(cb, bf->steps_done_host, bf->s1_ev);
+            uint64_t now = uv_hrtime();
+            pthread_mutex_lock(&cb->mu);
+            if (e == cudaErrorNotReady) /* stopping */
+                break;
+            if (e == cudaSuccess) {
+                bf->steps_signaled_ns = now;
+                cb->steps_signaled[cb->nsteps_signaled++] = bf;
+            }
+            pthread_mutex_unlock(&cb->mu);
+            if (e == cudaSuccess)
+                uv_async_send(&cb->wake);
+        }
+        if (e == cudaSuccess)
+            e = wait_signal(cb, bf->watch_done ? bf->done_host : NULL, bf->last_ev);
         uint64_t now = uv_hrtime();
         pthread_mutex_lock(&cb->mu);
         if (e == cudaErrorNotReady) /* stopping */
@@ -980,13 +1080,25 @@ static uint64_t elapsed_ns(cudaEvent_t a, cudaEvent_t b)
 static void on_wake(uv_async_t *a)
 {
     cuda_backend *cb = a->data;
-    cuda_buf *done[KD_CUDA_DEPTH];
+    cuda_buf *done[KD_CUDA_DEPTH], *steps[KD_CUDA_DEPTH];
     pthread_mutex_lock(&cb->mu);
-    uint32_t n = cb->nsignaled;
+    uint32_t n = cb->nsignaled, nsteps = cb->nsteps_signaled;
     memcpy(done, cb->signaled, n * sizeof(done[0]));
-    cb->nsignaled = 0;
+    memcpy(steps, cb->steps_signaled, nsteps * sizeof(steps[0]));
+    cb->nsignaled = cb->nsteps_signaled = 0;
     pthread_mutex_unlock(&cb->mu);
     uint64_t now = uv_hrtime();
+    /* Steps answered apart, before any batch's end: theirs comes later (the thread saw them
+     * first), as does every later batch's. */
+    for (uint32_t i = 0; i < nsteps && !cb->fatal; i++) {
+        cuda_buf *bf = steps[i];
+        kd_batch_timing *t = &bf->batch->steps_t;
+        *t = bf->batch->t;
+        t->signaled_ns = bf->steps_signaled_ns;
+        t->done_ns = t->unstaged_ns = now;
+        t->device_ns = t->kernel_ns = elapsed_ns(bf->s0_ev, bf->s1_ev);
+        kd_backend_steps_done(&cb->base, bf->batch);
+    }
     for (uint32_t i = 0; i < n; i++) {
         cuda_buf *bf = done[i];
         kd_batch *b = bf->batch;
@@ -1571,9 +1683,13 @@ static void free_buf(cuda_buf *bf, uint32_t nbuckets)
         }
     }
     free(bf->graphs);
-    cudaEvent_t *evs[8] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
-                           &bf->end_ev, &bf->fork_ev, &bf->join_ev};
-    for (int i = 0; i < 8; i++) {
+    if (bf->step_exec)
+        cudaGraphExecDestroy(bf->step_exec);
+    if (bf->step_graph)
+        cudaGraphDestroy(bf->step_graph);
+    cudaEvent_t *evs[10] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
+                            &bf->end_ev, &bf->fork_ev, &bf->join_ev, &bf->s0_ev, &bf->s1_ev};
+    for (int i = 0; i < 10; i++) {
         if (*evs[i])
             cudaEventDestroy(*evs[i]);
     }
@@ -1728,7 +1844,9 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
         (e = cudaEventCreateWithFlags(&bf->begin_ev, cudaEventDefault)) ||
         (e = cudaEventCreateWithFlags(&bf->k0_ev, cudaEventDefault)) ||
         (e = cudaEventCreateWithFlags(&bf->k1_ev, completion_flags)) ||
-        (e = cudaEventCreateWithFlags(&bf->end_ev, completion_flags)))
+        (e = cudaEventCreateWithFlags(&bf->end_ev, completion_flags)) ||
+        (e = cudaEventCreateWithFlags(&bf->s0_ev, cudaEventDefault)) ||
+        (e = cudaEventCreateWithFlags(&bf->s1_ev, completion_flags)))
         return e;
     cb->base.memory.staging += steps_table + table + 2 * cb->stage_bytes;
     /* The graphs copy whole buckets: never let them read uninitialised bytes. */
@@ -1745,11 +1863,11 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
 #define DONE_STRIDE_WORDS 16
 
 /* cuda_completion poll: the words the graphs write last, checked once (a captured write lands
- * in host memory); false (batches are then watched through their events alone) when the
- * driver cannot capture one. */
+ * in host memory), and the steps' words (cuda_buf.steps_done_host) after them; false (batches
+ * are then watched through their events alone) when the driver cannot capture one. */
 static bool setup_done_words(cuda_backend *cb)
 {
-    const size_t bytes = KD_CUDA_DEPTH * DONE_STRIDE_WORDS * sizeof(uint32_t);
+    const size_t bytes = 2 * KD_CUDA_DEPTH * DONE_STRIDE_WORDS * sizeof(uint32_t);
     void *dev = NULL;
     cudaGraph_t g = NULL;
     cudaGraphExec_t x = NULL;
@@ -1774,9 +1892,70 @@ static bool setup_done_words(cuda_backend *cb)
     if (!ok)
         return false;
     for (int i = 0; i < KD_CUDA_DEPTH; i++) {
+        const int j = KD_CUDA_DEPTH + i;
         cb->buf[i].done_host = cb->done_words + i * DONE_STRIDE_WORDS;
         cb->buf[i].done_dev = (CUdeviceptr)(uintptr_t)dev + i * DONE_STRIDE_WORDS * sizeof(uint32_t);
+        cb->buf[i].steps_done_host = cb->done_words + j * DONE_STRIDE_WORDS;
+        cb->buf[i].steps_done_dev =
+            (CUdeviceptr)(uintptr_t)dev + j * DONE_STRIDE_WORDS * sizeof(uint32_t);
     }
+    return true;
+}
+
+/* A buffer's step graph (cuda_buf.step_graph) for max_seqs sequences, captured on `stream`;
+ * false (its steps are then launched directly) when the driver cannot capture or update it. */
+static bool capture_step(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
+{
+    cudaGraph_t g = NULL;
+    cudaGraphNode_t nodes[8];
+    size_t n = 8;
+    kda_error kerr;
+    bf->steps_bytes = sizeof(kda_step) + (uint64_t)max_seqs * sizeof(kda_step_seq);
+    memset(bf->steps_host, 0, bf->steps_bytes); /* a replay copies what a batch left */
+    cudaError_t e = cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess)
+        return false;
+    cudaMemcpyAsync(bf->steps_dev, bf->steps_host, bf->steps_bytes, cudaMemcpyHostToDevice,
+                    cb->stream);
+    cudaEventRecordWithFlags(bf->k0_ev, cb->stream, cudaEventRecordExternal);
+    int krc = kda_cuda_step(cb->k, &cb->base.pool, (const kda_step *)bf->steps_dev,
+                            (int32_t)max_seqs, cb->stream, &kerr);
+    cudaEventRecordWithFlags(bf->k1_ev, cb->stream, cudaEventRecordExternal);
+    if (bf->done_host)
+        cb->write_value((CUstream)cb->stream, bf->done_dev, 1, 0);
+    e = cudaStreamEndCapture(cb->stream, &g);
+    if (e == cudaSuccess && krc != KDA_OK)
+        e = cudaErrorUnknown;
+    if (e == cudaSuccess)
+        e = cudaGraphGetNodes(g, nodes, &n);
+    bf->step_kernel = bf->step_copy = NULL;
+    for (size_t i = 0; e == cudaSuccess && i < n && i < 8; i++) {
+        enum cudaGraphNodeType t;
+        if ((e = cudaGraphNodeGetType(nodes[i], &t)) != cudaSuccess)
+            break;
+        if (t == cudaGraphNodeTypeKernel)
+            bf->step_kernel = nodes[i];
+        else if (t == cudaGraphNodeTypeMemcpy)
+            bf->step_copy = nodes[i];
+    }
+    if (e == cudaSuccess && (!bf->step_kernel || !bf->step_copy))
+        e = cudaErrorUnknown;
+    if (e == cudaSuccess)
+        e = cudaGraphKernelNodeGetParams(bf->step_kernel, &bf->step_params);
+    if (e == cudaSuccess && bf->step_params.gridDim.x % max_seqs != 0)
+        e = cudaErrorUnknown;
+    if (e == cudaSuccess)
+        e = cudaGraphInstantiate(&bf->step_exec, g, 0);
+    if (e != cudaSuccess) {
+        if (g)
+            cudaGraphDestroy(g);
+        bf->step_exec = NULL;
+        (void)cudaGetLastError();
+        return false;
+    }
+    bf->step_graph = g;
+    bf->step_grid_per_seq = bf->step_params.gridDim.x / max_seqs;
+    bf->step_seqs = max_seqs;
     return true;
 }
 
@@ -2003,6 +2182,13 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
                     cuda_err(err, errlen, e, "capturing a CUDA graph");
                 goto fail;
             }
+        }
+    }
+    for (int i = 0; i < KD_CUDA_DEPTH; i++) {
+        if (!capture_step(cb, &cb->buf[i], max_seqs)) {
+            KD_WARN("cuda backend: this driver cannot capture the step graph; steps "
+                    "are launched directly");
+            break;
         }
     }
     if ((e = cudaStreamSynchronize(cb->stream))) {

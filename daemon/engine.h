@@ -82,6 +82,7 @@ void kd_engine_abandon_queued(kd_engine *e, const kp_error *err);
 
 /* The backend's callbacks (ctx: the engine). */
 void kd_engine_batch_done(void *ctx, kd_batch *batch);
+void kd_engine_steps_done(void *ctx, kd_batch *batch);
 void kd_engine_device_idle(void *ctx);
 
 #endif /* KDAD_ENGINE_H */
