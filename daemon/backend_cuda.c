@@ -84,11 +84,11 @@
  * nothing to copy out it is watched through its done word, written after its
  * last event; with nothing to copy at all and no slot operations it is, like
  * a graph-only batch, [step table copy, k0_ev, step kernel, k1_ev, done
- * word]: one step is the replay of the buffer's step graph (one driver call;
- * its copy's size and kernel's grid are updated in the executable graph when
- * the step's sequence count changes, two more calls), several steps five
- * calls and one per further step.  A driver that cannot capture or update
- * the step graph gets the direct launches.
+ * word]: one step is the replay of the buffer's step graph for its size
+ * bucket (one driver call; captured for the bucket's sequences, its kernel's
+ * blocks past the step's own exit at once), several steps five calls and one
+ * per further step.  A driver that cannot capture the step graphs gets the
+ * direct launches.
  *
  * Gated prefills (a ready word not written yet) whose tensors are all device
  * memory may be queued before their words come, each on a lane of its own
@@ -192,16 +192,9 @@ typedef struct cuda_buf {
     CUdeviceptr steps_done_dev;
     bool watch_done;        /* this batch is the graph alone: done_host tells its end */
     cudaGraphExec_t *graphs; /* one per bucket */
-    /* The step graph [step table copy, k0_ev, step kernel, k1_ev, done word] for a batch of one
-     * step alone (NULL: launched directly).  Captured for max_seqs sequences; before a replay
-     * for another count, the copy's size and the kernel's grid are updated in the executable
-     * graph (step_graph keeps the nodes those updates name). */
-    cudaGraph_t step_graph;
-    cudaGraphExec_t step_exec;
-    cudaGraphNode_t step_copy, step_kernel;
-    struct cudaKernelNodeParams step_params; /* as captured */
-    uint32_t step_grid_per_seq; /* the kernel's blocks per sequence (its grid is linear in them) */
-    uint32_t step_seqs;         /* the sequences the executable graph is set for now */
+    /* one per bucket: [step table copy, k0_ev, step kernel, k1_ev, done word] for a batch of one
+     * step alone (NULL: its steps are launched directly) */
+    cudaGraphExec_t *step_graphs;
     /* set by the completion thread (under the backend's mutex) */
     cudaError_t sync_err;
     uint64_t signaled_ns;
@@ -693,33 +686,6 @@ static void wait_for(cuda_backend *cb, cuda_buf *bf)
         uv_idle_start(&cb->spin, on_spin);
 }
 
-/* Sets the step graph for a step of n sequences (the table copy's size, the kernel's grid) unless
- * it is set for n already; on an error the graph is dropped (steps are then launched directly). */
-static bool set_step_graph(cuda_buf *bf, uint32_t n)
-{
-    if (n == bf->step_seqs)
-        return true;
-    struct cudaKernelNodeParams p = bf->step_params;
-    p.gridDim.x = bf->step_grid_per_seq * n;
-    cudaError_t e = cudaGraphExecKernelNodeSetParams(bf->step_exec, bf->step_kernel, &p);
-    if (e == cudaSuccess)
-        e = cudaGraphExecMemcpyNodeSetParams1D(bf->step_exec, bf->step_copy, bf->steps_dev,
-                                               bf->steps_host, bf->steps_bytes,
-                                               cudaMemcpyHostToDevice);
-    if (e == cudaSuccess) {
-        bf->step_seqs = n;
-        return true;
-    }
-    (void)cudaGetLastError(); /* an update refused is no device fault */
-    KD_WARN("cuda backend: updating the step graph for %u sequences: %s; steps are launched "
-            "directly", n, cudaGetErrorString(e));
-    cudaGraphExecDestroy(bf->step_exec);
-    cudaGraphDestroy(bf->step_graph);
-    bf->step_exec = NULL;
-    bf->step_graph = NULL;
-    return false;
-}
-
 /* The steps of a batch.  Beside a prefill graph they run on the steps stream,
  * forked from `stream` before this batch's work there (after every earlier
  * batch's: their slots may be the same), and behind the copies in only when
@@ -729,8 +695,8 @@ static bool set_step_graph(cuda_buf *bf, uint32_t n)
  * the decode loop's batches) they run on `stream` itself: the fork and join are
  * four driver calls and two cross-stream waits on the device for nothing to
  * overlap; the kernel's timing events then bracket them (a prefill graph
- * records its own), and one step with nothing else to do is the step graph's
- * replay (graph). */
+ * records its own), and one step with nothing else to do is the replay of
+ * the step graph of its size bucket (graph). */
 static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, bool graph, const char **what)
 {
     const kd_batch *b = bf->batch;
@@ -738,8 +704,8 @@ static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, bool graph, con
     cudaStream_t s_steps = alone ? cb->stream : cb->steps;
     cudaError_t e = cudaSuccess;
     *what = "launching the steps";
-    if (graph && set_step_graph(bf, b->steps[0].nseqs))
-        return cudaGraphLaunch(bf->step_exec, cb->stream); /* k0_ev, kernel, k1_ev, done word */
+    if (graph) /* k0_ev, kernel, k1_ev, done word; its blocks past the step's sequences exit */
+        return cudaGraphLaunch(bf->step_graphs[bucket_for(cb, b->steps[0].nseqs)], cb->stream);
     if (!alone) {
         e = cudaEventRecord(bf->fork_ev, cb->stream);
         if (e == cudaSuccess)
@@ -789,7 +755,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
      * batch's bracket, as a graph's are, and no other event is recorded */
     bool steps_bare = steps_only && !copy_in && b->nops == 0;
     /* one step alone: the step graph writes the done word itself */
-    bool step_graph = steps_bare && b->nsteps == 1 && b->ndones == 0 && bf->step_exec;
+    bool step_graph = steps_bare && b->nsteps == 1 && b->ndones == 0 && bf->step_graphs;
     bool kernel_only = graph_only || steps_bare;
     bf->first_ev = kernel_only ? bf->k0_ev : bf->begin_ev;
     bf->last_ev = kernel_only ? bf->k1_ev : bf->end_ev;
@@ -864,7 +830,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         *what = "recording the completion event";
         e = cudaEventRecord(bf->end_ev, copy_out ? cb->d2h : cb->stream);
     }
-    if (e == cudaSuccess && steps_only && bf->watch_done && !(step_graph && bf->step_exec)) {
+    if (e == cudaSuccess && steps_only && bf->watch_done && !step_graph) {
         *what = "writing the done word";
         if (cb->write_value((CUstream)cb->stream, bf->done_dev, 1, 0) != CUDA_SUCCESS)
             e = cudaErrorUnknown;
@@ -1674,6 +1640,18 @@ static void free_lanes(cuda_backend *cb)
     cudaFreeHost(cb->lane_words);
 }
 
+static void free_step_graphs(cuda_buf *bf, uint32_t nbuckets)
+{
+    if (!bf->step_graphs)
+        return;
+    for (uint32_t i = 0; i < nbuckets; i++) {
+        if (bf->step_graphs[i])
+            cudaGraphExecDestroy(bf->step_graphs[i]);
+    }
+    free(bf->step_graphs);
+    bf->step_graphs = NULL;
+}
+
 static void free_buf(cuda_buf *bf, uint32_t nbuckets)
 {
     if (bf->graphs) {
@@ -1683,10 +1661,7 @@ static void free_buf(cuda_buf *bf, uint32_t nbuckets)
         }
     }
     free(bf->graphs);
-    if (bf->step_exec)
-        cudaGraphExecDestroy(bf->step_exec);
-    if (bf->step_graph)
-        cudaGraphDestroy(bf->step_graph);
+    free_step_graphs(bf, nbuckets);
     cudaEvent_t *evs[10] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
                             &bf->end_ev, &bf->fork_ev, &bf->join_ev, &bf->s0_ev, &bf->s1_ev};
     for (int i = 0; i < 10; i++) {
@@ -1779,28 +1754,39 @@ static const kd_backend_ops cuda_ops = {
     .destroy = cuda_destroy,
 };
 
+typedef enum graph_kind {
+    GRAPH_PREFILL, /* a buffer's prefill launch; the table is [count | descriptors] (table_bytes) */
+    GRAPH_LANE,    /* a lane's: the same, then its request's done word (cuda_lane) */
+    GRAPH_STEP,    /* a buffer's step alone; the table is [kda_step | kda_step_seq x bucket] */
+} graph_kind;
+
 /* Captures [launch table upload, record k0, kernel, record k1, done word write (when done_dev)]
  * for one bucket on stream st: the timing events are nodes of the graph, so that a replay is
- * one driver call.  The table is [count | descriptors] (table_bytes).  A lane's graph ends
- * with the store of its request's done word instead (cuda_lane). */
+ * one driver call.  The kernel reads how much of the bucket is live from the table (the step
+ * kernel's blocks past the step's sequences exit at once). */
 static cudaError_t capture(cuda_backend *cb, cudaStream_t st, kda_cuda *k, const uint8_t *table_host,
                            uint8_t *table_dev, cudaEvent_t k0, cudaEvent_t k1, CUdeviceptr done_dev,
-                           bool lane, uint32_t bucket, cudaGraphExec_t *out, char *err,
+                           graph_kind kind, uint32_t bucket, cudaGraphExec_t *out, char *err,
                            size_t errlen)
 {
     cudaGraph_t graph = NULL;
     cudaError_t e = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess)
         return e;
-    cudaMemcpyAsync(table_dev, table_host, table_bytes(bucket), cudaMemcpyHostToDevice, st);
+    size_t bytes = kind == GRAPH_STEP ? sizeof(kda_step) + (size_t)bucket * sizeof(kda_step_seq)
+                                      : table_bytes(bucket);
+    cudaMemcpyAsync(table_dev, table_host, bytes, cudaMemcpyHostToDevice, st);
     cudaEventRecordWithFlags(k0, st, cudaEventRecordExternal);
     kda_error kerr;
-    int krc = kda_cuda_prefill(k, &cb->base.pool, (const kda_seq *)(table_dev + TABLE_HEAD),
-                               (const int32_t *)table_dev, (int32_t)bucket, st, &kerr);
+    int krc = kind == GRAPH_STEP
+                  ? kda_cuda_step(k, &cb->base.pool, (const kda_step *)table_dev, (int32_t)bucket,
+                                  st, &kerr)
+                  : kda_cuda_prefill(k, &cb->base.pool, (const kda_seq *)(table_dev + TABLE_HEAD),
+                                     (const int32_t *)table_dev, (int32_t)bucket, st, &kerr);
     cudaEventRecordWithFlags(k1, st, cudaEventRecordExternal);
     if (done_dev)
         cb->write_value((CUstream)st, done_dev, 1, 0);
-    if (lane && krc == KDA_OK)
+    if (kind == GRAPH_LANE && krc == KDA_OK)
         krc = kda_cuda_store_word((uint64_t *const *)(table_dev + LANE_DONE_ADDR),
                                   (const uint64_t *)(table_dev + LANE_DONE_VALUE), st, &kerr);
     e = cudaStreamEndCapture(st, &graph);
@@ -1814,6 +1800,27 @@ static cudaError_t capture(cuda_backend *cb, cudaStream_t st, kda_cuda *k, const
         e = cudaGraphInstantiate(out, graph, 0);
     if (graph)
         cudaGraphDestroy(graph);
+    return e;
+}
+
+/* Every buffer's step graphs, one per bucket (cuda_buf.step_graphs); on an error none (steps
+ * are then launched directly). */
+static cudaError_t capture_steps(cuda_backend *cb, char *err, size_t errlen)
+{
+    cudaError_t e = cudaSuccess;
+    for (int i = 0; i < KD_CUDA_DEPTH && e == cudaSuccess; i++) {
+        cuda_buf *bf = &cb->buf[i];
+        if (!(bf->step_graphs = calloc(cb->nbuckets, sizeof(*bf->step_graphs))))
+            e = cudaErrorMemoryAllocation;
+        for (uint32_t j = 0; e == cudaSuccess && j < cb->nbuckets; j++)
+            e = capture(cb, cb->stream, cb->k, bf->steps_host, bf->steps_dev, bf->k0_ev,
+                        bf->k1_ev, bf->done_host ? bf->done_dev : 0, GRAPH_STEP, cb->buckets[j],
+                        &bf->step_graphs[j], err, errlen);
+    }
+    if (e != cudaSuccess) {
+        for (int i = 0; i < KD_CUDA_DEPTH; i++)
+            free_step_graphs(&cb->buf[i], cb->nbuckets);
+    }
     return e;
 }
 
@@ -1851,6 +1858,7 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
     cb->base.memory.staging += steps_table + table + 2 * cb->stage_bytes;
     /* The graphs copy whole buckets: never let them read uninitialised bytes. */
     memset(bf->table_host, 0, table);
+    memset(bf->steps_host, 0, steps_table);
     bf->count_host = (int32_t *)bf->table_host;
     bf->count_dev = (int32_t *)bf->table_dev;
     bf->desc_host = (kda_seq *)(bf->table_host + TABLE_HEAD);
@@ -1899,63 +1907,6 @@ static bool setup_done_words(cuda_backend *cb)
         cb->buf[i].steps_done_dev =
             (CUdeviceptr)(uintptr_t)dev + j * DONE_STRIDE_WORDS * sizeof(uint32_t);
     }
-    return true;
-}
-
-/* A buffer's step graph (cuda_buf.step_graph) for max_seqs sequences, captured on `stream`;
- * false (its steps are then launched directly) when the driver cannot capture or update it. */
-static bool capture_step(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
-{
-    cudaGraph_t g = NULL;
-    cudaGraphNode_t nodes[8];
-    size_t n = 8;
-    kda_error kerr;
-    bf->steps_bytes = sizeof(kda_step) + (uint64_t)max_seqs * sizeof(kda_step_seq);
-    memset(bf->steps_host, 0, bf->steps_bytes); /* a replay copies what a batch left */
-    cudaError_t e = cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal);
-    if (e != cudaSuccess)
-        return false;
-    cudaMemcpyAsync(bf->steps_dev, bf->steps_host, bf->steps_bytes, cudaMemcpyHostToDevice,
-                    cb->stream);
-    cudaEventRecordWithFlags(bf->k0_ev, cb->stream, cudaEventRecordExternal);
-    int krc = kda_cuda_step(cb->k, &cb->base.pool, (const kda_step *)bf->steps_dev,
-                            (int32_t)max_seqs, cb->stream, &kerr);
-    cudaEventRecordWithFlags(bf->k1_ev, cb->stream, cudaEventRecordExternal);
-    if (bf->done_host)
-        cb->write_value((CUstream)cb->stream, bf->done_dev, 1, 0);
-    e = cudaStreamEndCapture(cb->stream, &g);
-    if (e == cudaSuccess && krc != KDA_OK)
-        e = cudaErrorUnknown;
-    if (e == cudaSuccess)
-        e = cudaGraphGetNodes(g, nodes, &n);
-    bf->step_kernel = bf->step_copy = NULL;
-    for (size_t i = 0; e == cudaSuccess && i < n && i < 8; i++) {
-        enum cudaGraphNodeType t;
-        if ((e = cudaGraphNodeGetType(nodes[i], &t)) != cudaSuccess)
-            break;
-        if (t == cudaGraphNodeTypeKernel)
-            bf->step_kernel = nodes[i];
-        else if (t == cudaGraphNodeTypeMemcpy)
-            bf->step_copy = nodes[i];
-    }
-    if (e == cudaSuccess && (!bf->step_kernel || !bf->step_copy))
-        e = cudaErrorUnknown;
-    if (e == cudaSuccess)
-        e = cudaGraphKernelNodeGetParams(bf->step_kernel, &bf->step_params);
-    if (e == cudaSuccess && bf->step_params.gridDim.x % max_seqs != 0)
-        e = cudaErrorUnknown;
-    if (e == cudaSuccess)
-        e = cudaGraphInstantiate(&bf->step_exec, g, 0);
-    if (e != cudaSuccess) {
-        if (g)
-            cudaGraphDestroy(g);
-        bf->step_exec = NULL;
-        (void)cudaGetLastError();
-        return false;
-    }
-    bf->step_graph = g;
-    bf->step_grid_per_seq = bf->step_params.gridDim.x / max_seqs;
-    bf->step_seqs = max_seqs;
     return true;
 }
 
@@ -2018,7 +1969,8 @@ static cudaError_t setup_lanes(cuda_backend *cb, uint32_t max_seqs, uint64_t spl
             return cudaErrorMemoryAllocation;
         for (uint32_t j = 0; j < cb->nbuckets; j++) {
             if ((e = capture(cb, ln->stream, ln->k, ln->table_host, ln->table_dev, ln->k0_ev,
-                             ln->k1_ev, 0, true, cb->buckets[j], &ln->graphs[j], err, errlen)))
+                             ln->k1_ev, 0, GRAPH_LANE, cb->buckets[j], &ln->graphs[j], err,
+                             errlen)))
                 return e;
         }
         if (cb->lane_words) {
@@ -2176,7 +2128,7 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
             err[0] = '\0';
             cuda_buf *bf = &cb->buf[i];
             if ((e = capture(cb, cb->stream, cb->k, bf->table_host, bf->table_dev, bf->k0_ev,
-                             bf->k1_ev, bf->done_host ? bf->done_dev : 0, false, cb->buckets[j],
+                             bf->k1_ev, bf->done_host ? bf->done_dev : 0, GRAPH_PREFILL, cb->buckets[j],
                              &bf->graphs[j], err, errlen))) {
                 if (!err[0])
                     cuda_err(err, errlen, e, "capturing a CUDA graph");
@@ -2184,12 +2136,11 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
             }
         }
     }
-    for (int i = 0; i < KD_CUDA_DEPTH; i++) {
-        if (!capture_step(cb, &cb->buf[i], max_seqs)) {
-            KD_WARN("cuda backend: this driver cannot capture the step graph; steps "
-                    "are launched directly");
-            break;
-        }
+    err[0] = '\0';
+    if ((e = capture_steps(cb, err, errlen))) {
+        KD_WARN("cuda backend: capturing the step graphs failed (%s); steps are launched directly",
+                err[0] ? err : cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* a capture refused is no device fault */
     }
     if ((e = cudaStreamSynchronize(cb->stream))) {
         rc = cuda_err(err, errlen, e, "initialising the device");
