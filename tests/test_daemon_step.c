@@ -12,8 +12,9 @@
  *                    answered before the prefill, with the results of the
  *                    two run apart
  *   replay           steps of changing sizes with region tensors (on cuda:
- *                    the step graph, updated between sizes) equal to the
- *                    same steps inline (launched directly), bit for bit
+ *                    the step graphs of their buckets, partly filled) equal
+ *                    to the same steps inline (launched directly), bit for
+ *                    bit
  *   rollback         a 4-token draft with its states kept in a region, rolled
  *                    back to 2 accepted tokens by slot.write, equals having
  *                    run those 2 tokens only, and continues the same way
@@ -671,9 +672,9 @@ static void test_step_answered_first(void **unused)
 /*
  * Steps of changing sizes, each sent twice on two sets of slots that hold the
  * same states: with region tensors (on cuda a step alone with nothing to copy:
- * the step graph, whose copy and grid are updated when the size changes) and
- * with inline tensors (staged: launched directly).  Outputs and states are
- * the same bits.
+ * the step graph of its size bucket, whose blocks past the step's sequences
+ * exit) and with inline tensors (staged: launched directly).  Outputs and
+ * states are the same bits.
  */
 static void test_step_graph_replay(void **unused)
 {
