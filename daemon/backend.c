@@ -23,6 +23,7 @@ static void start_batch(kd_batch *batch, bool gated)
     batch->gated = gated;
     uint64_t formed = batch->t.formed_ns;
     batch->t = (kd_batch_timing){.formed_ns = formed, .submit_ns = uv_hrtime()};
+    batch->steps_t = (kd_batch_timing){0};
 }
 
 int kd_backend_submit(kd_backend *b, kd_batch *batch, kp_error *err)
@@ -76,6 +77,12 @@ void kd_backend_device_done(kd_backend *b, kd_batch *batch)
 {
     if (leave_device(b, batch) && b->on_device == 0 && b->idle)
         b->idle(b->done_ctx);
+}
+
+void kd_backend_steps_done(kd_backend *b, kd_batch *batch)
+{
+    if (b->steps_done)
+        b->steps_done(b->done_ctx, batch);
 }
 
 void kd_backend_complete(kd_backend *b, kd_batch *batch)

@@ -11,7 +11,9 @@
  * the operations and the launch in any order; it runs operations in list
  * order, which matters only for a ZERO that clears a slot a READ of the same
  * batch then reads.  A batch runs whole or not at all (KD_BATCH_FAILED),
- * short of a device failure.
+ * short of a device failure.  A batch's decode steps may be reported done
+ * before the rest of it (kd_backend_steps_cb): a step then waits for no
+ * prefill chain of its batch.
  *
  * Buffers (kd_buf) carry a host address, a device address, or both:
  *   inline tensors and inline outputs   host only (the cuda backend stages them)
@@ -120,12 +122,21 @@ typedef struct kd_batch {
      * staged_ns .. unstaged_ns and the device times by the backend (which
      * clears them at submit), replied_ns by the daemon. */
     kd_batch_timing t;
+    /* The steps' own timing, when the backend answers them before the batch ends
+     * (kd_backend_steps_done): t up to launched_ns, then their signal and device times. */
+    kd_batch_timing steps_t;
     bool on_device;    /* backend.c: counted in kd_backend.on_device */
     bool gated;        /* submitted behind a device-side wait (kd_backend_submit_gated) */
 } kd_batch;
 
 /* Runs on the loop thread when a submitted batch is done (whatever its status). */
 typedef void (*kd_backend_done_cb)(void *ctx, kd_batch *batch);
+/* Runs on the loop thread, before the batch is done, when a batch that holds
+ * decode steps and other work has run its steps: their outputs and slots are
+ * written (the batch's status is still KD_BATCH_OK), so their requests may be
+ * answered.  The rest of the batch completes later through the done callback;
+ * a later batch still runs after all of it. */
+typedef void (*kd_backend_steps_cb)(void *ctx, kd_batch *batch);
 /* Runs on the loop thread when the device finished the last batch launched
  * on it while that batch is not done yet (its outputs are being copied out
  * on the host): the device idles unless it gets another. */
@@ -197,6 +208,7 @@ struct kd_backend {
     kda_pool pool;              /* state memory: host (cpu) or device (cuda) */
     uv_loop_t *loop;
     kd_backend_done_cb done;
+    kd_backend_steps_cb steps_done; /* may be NULL: steps are then answered with their batch */
     kd_backend_idle_cb idle;    /* may be NULL */
     void *done_ctx;             /* both callbacks' */
     uint32_t inflight;          /* batches submitted and not completed */
@@ -246,6 +258,9 @@ void kd_backend_launched(kd_backend *b, kd_batch *batch);
 /* Called by backends on the loop thread when the device has finished a
  * batch that still has host work left (unstaging); may call the idle callback. */
 void kd_backend_device_done(kd_backend *b, kd_batch *batch);
+/* Called by backends on the loop thread when a batch's steps are done before the
+ * rest of it (kd_backend_steps_cb; batch->steps_t set), at most once per batch. */
+void kd_backend_steps_done(kd_backend *b, kd_batch *batch);
 /* Called by backends on the loop thread when a batch is done (implies
  * kd_backend_device_done, without the idle callback: the done callback follows). */
 void kd_backend_complete(kd_backend *b, kd_batch *batch);

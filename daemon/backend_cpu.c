@@ -8,6 +8,11 @@
  * directly, so an input that sits at an odd address (an inline tensor after
  * an odd-length msgpack header) is first copied to aligned scratch memory,
  * on the worker thread.
+ *
+ * A batch that holds decode steps and prefill sequences runs its steps as a
+ * worker job of their own, reports them done (kd_backend_steps_done: their
+ * requests are answered), then runs the rest: a step never waits for the
+ * prefill of its batch.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -23,6 +28,7 @@ typedef struct cpu_backend {
     kda_cpu *cpu;
     uv_work_t work;
     kd_batch *batch; /* the batch on the worker, or NULL */
+    bool steps_apart; /* its steps run (and are answered) before the rest of it */
 } cpu_backend;
 
 static void *slot_state(const kd_backend *b, uint32_t slot)
@@ -57,23 +63,40 @@ static uint64_t input_bytes(int t, int64_t len, int32_t heads)
 }
 
 /* Runs the launch (which checks everything before it writes) and, when it
- * succeeded, the slot operations: so a failing batch changes nothing. */
-static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu);
+ * succeeded, the slot operations: so a failing batch changes nothing (lost:
+ * steps of the batch ran before it and were not answered apart). */
+static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu, bool lost);
 /* Runs the batch's decode steps, before its prefill: their sequences are the
  * short, latency-bound ones. */
 static void cpu_run_steps(kd_backend *b, kd_batch *batch, kda_cpu *cpu);
 
-/* Worker thread. */
+/* Nothing to stage: the worker starting is both. */
+static void start_timing(kd_batch *batch)
+{
+    batch->t.staged_ns = batch->t.launched_ns = uv_hrtime();
+}
+
+/* Worker thread: the steps of a batch that runs them apart. */
+static void cpu_steps_work(uv_work_t *w)
+{
+    cpu_backend *cb = w->data;
+    start_timing(cb->batch);
+    cpu_run_steps(&cb->base, cb->batch, cb->cpu);
+    cb->batch->t.signaled_ns = uv_hrtime();
+}
+
+/* Worker thread: the batch, or what is left of it after its steps. */
 static void cpu_work(uv_work_t *w)
 {
     cpu_backend *cb = w->data;
     kd_batch *batch = cb->batch;
     kd_batch_timing *t = &batch->t;
-    /* Nothing to stage: the worker starting is both. */
-    t->staged_ns = t->launched_ns = uv_hrtime();
-    cpu_run_steps(&cb->base, batch, cb->cpu);
+    if (!cb->steps_apart) {
+        start_timing(batch);
+        cpu_run_steps(&cb->base, batch, cb->cpu);
+    }
     if (batch->status == KD_BATCH_OK)
-        cpu_run(&cb->base, batch, cb->cpu);
+        cpu_run(&cb->base, batch, cb->cpu, batch->nsteps > 0 && !cb->steps_apart);
     if (batch->status == KD_BATCH_OK) {
         for (uint32_t i = 0; i < batch->nops; i++)
             run_op(&cb->base, &batch->ops[i]);
@@ -85,7 +108,7 @@ static void cpu_work(uv_work_t *w)
     t->device_ns = t->signaled_ns - t->launched_ns;
 }
 
-static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu)
+static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu, bool lost)
 {
     if (batch->nseqs == 0)
         return;
@@ -130,7 +153,7 @@ static void cpu_run(kd_backend *b, kd_batch *batch, kda_cpu *cpu)
     if (krc != KDA_OK) {
         /* kda_cpu checks everything before it writes: the states are intact
          * (the batch's steps, if any, did run: then it is lost). */
-        batch->status = batch->nsteps ? KD_BATCH_LOST : KD_BATCH_FAILED;
+        batch->status = lost ? KD_BATCH_LOST : KD_BATCH_FAILED;
         batch->code = kerr.code == KDA_ENOMEM ? KP_E_NO_MEMORY : KP_E_INTERNAL;
         snprintf(batch->message, sizeof(batch->message), "cpu backend: %.200s", kerr.msg);
     }
@@ -197,6 +220,28 @@ static void cpu_after_work(uv_work_t *w, int status)
     kd_backend_complete(&cb->base, batch);
 }
 
+/* Loop thread: the steps ran; answered, then the rest goes to the worker (a
+ * failure ends the batch there, as when they run with it). */
+static void cpu_after_steps(uv_work_t *w, int status)
+{
+    cpu_backend *cb = w->data;
+    kd_batch *batch = cb->batch;
+    if (batch->status != KD_BATCH_OK) {
+        batch->t.device_ns = batch->t.signaled_ns - batch->t.launched_ns;
+        cpu_after_work(w, status);
+        return;
+    }
+    kd_batch_timing *st = &batch->steps_t;
+    *st = batch->t;
+    st->done_ns = st->unstaged_ns = uv_hrtime();
+    st->device_ns = st->signaled_ns - st->launched_ns;
+    kd_backend_steps_done(&cb->base, batch);
+    if (uv_queue_work(cb->base.loop, &cb->work, cpu_work, cpu_after_work) != 0) {
+        cpu_work(w); /* cannot happen with a live loop; stay correct anyway */
+        cpu_after_work(w, 0);
+    }
+}
+
 static int cpu_submit(kd_backend *b, kd_batch *batch, kp_error *err)
 {
     cpu_backend *cb = (cpu_backend *)b;
@@ -204,7 +249,9 @@ static int cpu_submit(kd_backend *b, kd_batch *batch, kp_error *err)
         return kp_fail(err, KP_E_INTERNAL, "cpu backend: a batch is already running");
     cb->batch = batch;
     cb->work.data = cb;
-    int rc = uv_queue_work(b->loop, &cb->work, cpu_work, cpu_after_work);
+    cb->steps_apart = batch->nsteps > 0 && batch->nseqs > 0 && b->steps_done;
+    int rc = cb->steps_apart ? uv_queue_work(b->loop, &cb->work, cpu_steps_work, cpu_after_steps)
+                             : uv_queue_work(b->loop, &cb->work, cpu_work, cpu_after_work);
     if (rc) {
         cb->batch = NULL;
         return kp_fail(err, KP_E_INTERNAL, "uv_queue_work: %s", uv_strerror(rc));

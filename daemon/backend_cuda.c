@@ -63,22 +63,32 @@
  * regions are device memory the kernel uses directly.
  *
  * Decode steps (kd_batch_step) run the step kernel (kda_cuda_step), one
- * launch per step, on a fourth stream, `steps`: it forks from `stream` after
- * the copies in and slot operations and joins it again before the copies
- * out, so in a batch that holds both, the steps run beside the prefill
- * graph instead of behind its chains (their slots differ from the graph's:
- * a batch names each slot once, and a slot's next request forms only after
- * its batch is done).  Their descriptors go in one copy of the step table
+ * launch per step.  In a batch with a prefill graph they run on a fourth
+ * stream, `steps`: it forks from `stream` before the batch's work there
+ * (after every earlier batch's), waits for the copies in only when some step
+ * input is staged, and joins `stream` again before the copies out, so the
+ * steps run beside the prefill graph instead of behind its chains (their
+ * slots differ from the graph's: a batch names each slot once, and a slot's
+ * next request forms only after its batch is done, or, for a step answered
+ * apart, its next batch runs after this one's join).  When no step output
+ * waits for the copies out, the steps are answered apart: s0_ev and s1_ev
+ * bracket them and they write their own done word (steps_done_host), which
+ * the completion thread watches before the batch's end, so their requests
+ * are answered when the steps are done (kd_backend_steps_done), not when the
+ * prefill is.  Their descriptors go in one copy of the step table
  * [kda_step x nsteps | kda_step_seq x sequences]; inline inputs and outputs
  * are staged as a prefill's, region tensors used in place (shared memory
  * through its device alias).  The step kernel reads its descriptors from
- * device memory when it runs, so it is graph-safe; it is launched directly
- * (a step is one or two driver calls).  A batch of steps alone (no prefill
- * graph to run beside) stays on `stream`: no fork, no join.  With nothing to
- * copy out it is watched through its done word, written after its last
- * event; with nothing to copy at all and no slot operations it is, like a
- * graph-only batch, [step table copy, k0_ev, step kernels, k1_ev, done word]:
- * five driver calls.
+ * device memory when it runs, so it is graph-safe.  A batch of steps alone
+ * (no prefill graph to run beside) stays on `stream`: no fork, no join.  With
+ * nothing to copy out it is watched through its done word, written after its
+ * last event; with nothing to copy at all and no slot operations it is, like
+ * a graph-only batch, [step table copy, k0_ev, step kernel, k1_ev, done
+ * word]: one step is the replay of the buffer's step graph for its size
+ * bucket (one driver call; captured for the bucket's sequences, its kernel's
+ * blocks past the step's own exit at once), several steps five calls and one
+ * per further step.  A driver that cannot capture the step graphs gets the
+ * direct launches.
  *
  * Gated prefills (a ready word not written yet) whose tensors are all device
  * memory may be queued before their words come, each on a lane of its own
@@ -171,14 +181,24 @@ typedef struct cuda_buf {
     uint8_t *steps_host, *steps_dev; /* the step table: pinned, and its device copy */
     uint32_t steps_cap;     /* steps, and step sequences, it holds */
     uint64_t steps_bytes;   /* of this batch's table */
+    bool steps_in, steps_out; /* some step's inputs / outputs go through staging */
     cudaEvent_t fork_ev, join_ev;                 /* the steps stream's order against `stream` */
+    cudaEvent_t s0_ev, s1_ev; /* the steps of a batch that answers them apart (timing; s1_ev
+                                 tells their end when steps_done_host cannot) */
+    bool steps_apart;       /* this batch's steps are answered when they end (kd_backend_steps_done) */
     uint32_t *done_host;    /* the graphs write 1 here last (pinned, mapped); NULL: they do not */
     CUdeviceptr done_dev;   /* its device alias */
+    uint32_t *steps_done_host; /* the steps stream writes 1 here after steps answered apart */
+    CUdeviceptr steps_done_dev;
     bool watch_done;        /* this batch is the graph alone: done_host tells its end */
     cudaGraphExec_t *graphs; /* one per bucket */
+    /* one per bucket: [step table copy, k0_ev, step kernel, k1_ev, done word] for a batch of one
+     * step alone (NULL: its steps are launched directly) */
+    cudaGraphExec_t *step_graphs;
     /* set by the completion thread (under the backend's mutex) */
     cudaError_t sync_err;
     uint64_t signaled_ns;
+    uint64_t steps_signaled_ns;
 } cuda_buf;
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr ptr);
@@ -284,6 +304,8 @@ typedef struct cuda_backend {
     uint32_t npending;
     cuda_buf *signaled[KD_CUDA_DEPTH]; /* seen done, not yet taken by the loop: in order */
     uint32_t nsignaled;
+    cuda_buf *steps_signaled[KD_CUDA_DEPTH]; /* steps answered apart seen done, not yet taken */
+    uint32_t nsteps_signaled;
     int stop;                /* the thread exits (read atomically while it polls) */
 } cuda_backend;
 
@@ -412,6 +434,7 @@ static bool stage_steps(cuda_backend *cb, cuda_buf *bf, kd_batch *b)
     for (uint32_t s = 0; s < b->nsteps; s++)
         nseqs += b->steps[s].nseqs;
     bf->steps_bytes = 0;
+    bf->steps_in = bf->steps_out = false;
     if (b->nsteps == 0)
         return true;
     if (b->nsteps > bf->steps_cap || nseqs > bf->steps_cap) {
@@ -438,6 +461,7 @@ static bool stage_steps(cuda_backend *cb, cuda_buf *bf, kd_batch *b)
             }
             memcpy(bf->in_host + off, st->in[t].host, n);
             in[t] = bf->in_dev + off;
+            bf->steps_in = true;
         }
         void *out = st->out.dev;
         if (!out) {
@@ -448,6 +472,7 @@ static bool stage_steps(cuda_backend *cb, cuda_buf *bf, kd_batch *b)
             }
             add_out(bf, st->out.host, off, n, 0, KDA_DTYPE_BF16);
             out = bf->out_dev + off;
+            bf->steps_out = true;
         }
         memcpy(seqs + used, st->seqs, st->nseqs * sizeof(*seqs));
         steps[s] = (kda_step){.q = in[0], .k = in[1], .v = in[2], .g = in[3], .beta = in[4],
@@ -641,7 +666,8 @@ static void on_spin(uv_idle_t *h)
 {
     cuda_backend *cb = h->data;
     pthread_mutex_lock(&cb->mu);
-    const bool signaled = cb->nsignaled > 0, running = cb->npending > 0;
+    const bool signaled = cb->nsignaled > 0 || cb->nsteps_signaled > 0,
+               running = cb->npending > 0;
     pthread_mutex_unlock(&cb->mu);
     if (signaled)
         on_wake(&cb->wake);   /* the doorbell's callback then finds nothing left */
@@ -661,29 +687,39 @@ static void wait_for(cuda_backend *cb, cuda_buf *bf)
 }
 
 /* The steps of a batch.  Beside a prefill graph they run on the steps stream,
- * forked from `stream` after everything before them there (copies in, slot
- * operations) and joined back by the caller.  Without one (steps alone, the
- * decode loop's batches) they run on `stream` itself: the fork and join are
+ * forked from `stream` before this batch's work there (after every earlier
+ * batch's: their slots may be the same), and behind the copies in only when
+ * some of their inputs are staged; the caller joins them back before the
+ * copies out.  Answered apart (steps_apart), they are bracketed by s0_ev and
+ * s1_ev, then write their done word.  Without a prefill graph (steps alone,
+ * the decode loop's batches) they run on `stream` itself: the fork and join are
  * four driver calls and two cross-stream waits on the device for nothing to
  * overlap; the kernel's timing events then bracket them (a prefill graph
- * records its own). */
-static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, const char **what)
+ * records its own), and one step with nothing else to do is the replay of
+ * the step graph of its size bucket (graph). */
+static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, bool graph, const char **what)
 {
     const kd_batch *b = bf->batch;
     const bool alone = b->nseqs == 0;
     cudaStream_t s_steps = alone ? cb->stream : cb->steps;
     cudaError_t e = cudaSuccess;
     *what = "launching the steps";
+    if (graph) /* k0_ev, kernel, k1_ev, done word; its blocks past the step's sequences exit */
+        return cudaGraphLaunch(bf->step_graphs[bucket_for(cb, b->steps[0].nseqs)], cb->stream);
     if (!alone) {
         e = cudaEventRecord(bf->fork_ev, cb->stream);
         if (e == cudaSuccess)
             e = cudaStreamWaitEvent(cb->steps, bf->fork_ev, 0);
+        if (e == cudaSuccess && bf->steps_in)
+            e = cudaStreamWaitEvent(cb->steps, bf->in_ev, 0);
     }
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(bf->steps_dev, bf->steps_host, bf->steps_bytes,
                             cudaMemcpyHostToDevice, s_steps);
-    if (e == cudaSuccess && alone)
-        e = cudaEventRecord(bf->k0_ev, s_steps);
+    cudaEvent_t t0 = alone ? bf->k0_ev : bf->s0_ev, t1 = alone ? bf->k1_ev : bf->s1_ev;
+    const bool timed = alone || bf->steps_apart;
+    if (e == cudaSuccess && timed)
+        e = cudaEventRecord(t0, s_steps);
     const kda_step *steps = (const kda_step *)bf->steps_dev;
     for (uint32_t s = 0; e == cudaSuccess && s < b->nsteps; s++) {
         kda_error kerr;
@@ -694,8 +730,11 @@ static cudaError_t enqueue_steps(cuda_backend *cb, cuda_buf *bf, const char **wh
                 e = cudaErrorLaunchFailure;
         }
     }
-    if (e == cudaSuccess && alone)
-        e = cudaEventRecord(bf->k1_ev, s_steps);
+    if (e == cudaSuccess && timed)
+        e = cudaEventRecord(t1, s_steps);
+    if (e == cudaSuccess && bf->steps_apart && bf->steps_done_host &&
+        cb->write_value((CUstream)cb->steps, bf->steps_done_dev, 1, 0) != CUDA_SUCCESS)
+        e = cudaErrorUnknown;
     if (e == cudaSuccess && !alone)
         e = cudaEventRecord(bf->join_ev, cb->steps);
     return e;
@@ -715,12 +754,18 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
     /* the step kernels alone (no copies, no slot operations): their timing events are the
      * batch's bracket, as a graph's are, and no other event is recorded */
     bool steps_bare = steps_only && !copy_in && b->nops == 0;
+    /* one step alone: the step graph writes the done word itself */
+    bool step_graph = steps_bare && b->nsteps == 1 && b->ndones == 0 && bf->step_graphs;
     bool kernel_only = graph_only || steps_bare;
     bf->first_ev = kernel_only ? bf->k0_ev : bf->begin_ev;
     bf->last_ev = kernel_only ? bf->k1_ev : bf->end_ev;
     bf->watch_done = (graph_only || steps_only) && bf->done_host != NULL;
+    /* steps beside a prefill, none of whose outputs wait for the copies out */
+    bf->steps_apart = b->nsteps > 0 && b->nseqs > 0 && !bf->steps_out && cb->base.steps_done;
     if (bf->watch_done)
         __atomic_store_n(bf->done_host, 0, __ATOMIC_RELAXED); /* the launch call orders it */
+    if (bf->steps_apart && bf->steps_done_host)
+        __atomic_store_n(bf->steps_done_host, 0, __ATOMIC_RELAXED);
     *what = "copying inputs to the device";
     if (copy_in) {
         e = cudaEventRecord(bf->begin_ev, cb->h2d);
@@ -733,17 +778,21 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         }
         if (e == cudaSuccess)
             e = cudaEventRecord(bf->in_ev, cb->h2d);
-        if (e == cudaSuccess)
-            e = cudaStreamWaitEvent(cb->stream, bf->in_ev, 0);
     } else if (!kernel_only) {
         e = cudaEventRecord(bf->begin_ev, cb->stream);
+    }
+    if (e == cudaSuccess && b->nsteps > 0 && b->nseqs > 0)
+        e = enqueue_steps(cb, bf, false, what); /* forked before the wait for the copies in */
+    if (e == cudaSuccess && copy_in) {
+        *what = "copying inputs to the device";
+        e = cudaStreamWaitEvent(cb->stream, bf->in_ev, 0);
     }
     for (uint32_t i = 0; e == cudaSuccess && i < b->nops; i++) {
         *what = "a slot operation";
         e = enqueue_op(cb, bf, i);
     }
-    if (e == cudaSuccess && b->nsteps > 0)
-        e = enqueue_steps(cb, bf, what);
+    if (e == cudaSuccess && b->nsteps > 0 && b->nseqs == 0)
+        e = enqueue_steps(cb, bf, step_graph, what);
     if (e == cudaSuccess && b->nseqs > 0) {
         *what = "replaying the prefill graph"; /* it records k0_ev and k1_ev itself */
         e = cudaGraphLaunch(bf->graphs[bucket_for(cb, b->nseqs)], cb->stream);
@@ -781,7 +830,7 @@ static cudaError_t enqueue(cuda_backend *cb, cuda_buf *bf, const char **what)
         *what = "recording the completion event";
         e = cudaEventRecord(bf->end_ev, copy_out ? cb->d2h : cb->stream);
     }
-    if (e == cudaSuccess && steps_only && bf->watch_done) {
+    if (e == cudaSuccess && steps_only && bf->watch_done && !step_graph) {
         *what = "writing the done word";
         if (cb->write_value((CUstream)cb->stream, bf->done_dev, 1, 0) != CUDA_SUCCESS)
             e = cudaErrorUnknown;
@@ -867,23 +916,23 @@ static bool stopping(cuda_backend *cb)
     return __atomic_load_n(&cb->stop, __ATOMIC_RELAXED);
 }
 
-/* Waits for a batch to end: cudaSuccess, or the device's error (cudaErrorNotReady: the thread
- * is stopping). */
-static cudaError_t wait_batch(cuda_backend *cb, const cuda_buf *bf)
+/* Waits for the end of what `word` (NULL: none) and `ev` follow on the device: cudaSuccess, or
+ * the device's error (cudaErrorNotReady: the thread is stopping). */
+static cudaError_t wait_signal(cuda_backend *cb, const uint32_t *word, cudaEvent_t ev)
 {
     if (cb->completion == KD_CUDA_COMPLETION_BLOCK)
-        return cudaEventSynchronize(bf->last_ev);
-    if (bf->watch_done) {
+        return cudaEventSynchronize(ev);
+    if (word) {
         /* The done word costs no driver call.  Its event, asked now and then, reports a device
          * fault (then the word never comes); its success does not end the wait, since the
          * word's write would still be on its way and could land after the buffer's next
          * batch cleared it. */
         uint64_t ask = uv_hrtime() + KD_CUDA_FAULT_POLL_NS;
-        while (!__atomic_load_n(bf->done_host, __ATOMIC_ACQUIRE)) {
+        while (!__atomic_load_n(word, __ATOMIC_ACQUIRE)) {
             if (stopping(cb))
                 return cudaErrorNotReady;
             if (uv_hrtime() >= ask) {
-                cudaError_t e = cudaEventQuery(bf->last_ev);
+                cudaError_t e = cudaEventQuery(ev);
                 if (e != cudaSuccess && e != cudaErrorNotReady)
                     return e;
                 ask = uv_hrtime() + KD_CUDA_FAULT_POLL_NS;
@@ -893,7 +942,7 @@ static cudaError_t wait_batch(cuda_backend *cb, const cuda_buf *bf)
         return cudaSuccess;
     }
     for (;;) {
-        cudaError_t e = cudaEventQuery(bf->last_ev);
+        cudaError_t e = cudaEventQuery(ev);
         if (e != cudaErrorNotReady)
             return e;
         if (stopping(cb))
@@ -916,7 +965,24 @@ static void *waiter_main(void *arg)
             break;
         cuda_buf *bf = cb->pending[0];
         pthread_mutex_unlock(&cb->mu);
-        cudaError_t e = wait_batch(cb, bf);
+        cudaError_t e = cudaSuccess;
+        if (bf->steps_apart) {
+            /* its steps first; a fault there is the batch's too, reported at its end */
+            e = wait_signal(cb, bf->steps_done_host, bf->s1_ev);
+            uint64_t now = uv_hrtime();
+            pthread_mutex_lock(&cb->mu);
+            if (e == cudaErrorNotReady) /* stopping */
+                break;
+            if (e == cudaSuccess) {
+                bf->steps_signaled_ns = now;
+                cb->steps_signaled[cb->nsteps_signaled++] = bf;
+            }
+            pthread_mutex_unlock(&cb->mu);
+            if (e == cudaSuccess)
+                uv_async_send(&cb->wake);
+        }
+        if (e == cudaSuccess)
+            e = wait_signal(cb, bf->watch_done ? bf->done_host : NULL, bf->last_ev);
         uint64_t now = uv_hrtime();
         pthread_mutex_lock(&cb->mu);
         if (e == cudaErrorNotReady) /* stopping */
@@ -980,13 +1046,25 @@ static uint64_t elapsed_ns(cudaEvent_t a, cudaEvent_t b)
 static void on_wake(uv_async_t *a)
 {
     cuda_backend *cb = a->data;
-    cuda_buf *done[KD_CUDA_DEPTH];
+    cuda_buf *done[KD_CUDA_DEPTH], *steps[KD_CUDA_DEPTH];
     pthread_mutex_lock(&cb->mu);
-    uint32_t n = cb->nsignaled;
+    uint32_t n = cb->nsignaled, nsteps = cb->nsteps_signaled;
     memcpy(done, cb->signaled, n * sizeof(done[0]));
-    cb->nsignaled = 0;
+    memcpy(steps, cb->steps_signaled, nsteps * sizeof(steps[0]));
+    cb->nsignaled = cb->nsteps_signaled = 0;
     pthread_mutex_unlock(&cb->mu);
     uint64_t now = uv_hrtime();
+    /* Steps answered apart, before any batch's end: theirs comes later (the thread saw them
+     * first), as does every later batch's. */
+    for (uint32_t i = 0; i < nsteps && !cb->fatal; i++) {
+        cuda_buf *bf = steps[i];
+        kd_batch_timing *t = &bf->batch->steps_t;
+        *t = bf->batch->t;
+        t->signaled_ns = bf->steps_signaled_ns;
+        t->done_ns = t->unstaged_ns = now;
+        t->device_ns = t->kernel_ns = elapsed_ns(bf->s0_ev, bf->s1_ev);
+        kd_backend_steps_done(&cb->base, bf->batch);
+    }
     for (uint32_t i = 0; i < n; i++) {
         cuda_buf *bf = done[i];
         kd_batch *b = bf->batch;
@@ -1562,6 +1640,18 @@ static void free_lanes(cuda_backend *cb)
     cudaFreeHost(cb->lane_words);
 }
 
+static void free_step_graphs(cuda_buf *bf, uint32_t nbuckets)
+{
+    if (!bf->step_graphs)
+        return;
+    for (uint32_t i = 0; i < nbuckets; i++) {
+        if (bf->step_graphs[i])
+            cudaGraphExecDestroy(bf->step_graphs[i]);
+    }
+    free(bf->step_graphs);
+    bf->step_graphs = NULL;
+}
+
 static void free_buf(cuda_buf *bf, uint32_t nbuckets)
 {
     if (bf->graphs) {
@@ -1571,9 +1661,10 @@ static void free_buf(cuda_buf *bf, uint32_t nbuckets)
         }
     }
     free(bf->graphs);
-    cudaEvent_t *evs[8] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
-                           &bf->end_ev, &bf->fork_ev, &bf->join_ev};
-    for (int i = 0; i < 8; i++) {
+    free_step_graphs(bf, nbuckets);
+    cudaEvent_t *evs[10] = {&bf->in_ev, &bf->kernel_ev, &bf->begin_ev, &bf->k0_ev, &bf->k1_ev,
+                            &bf->end_ev, &bf->fork_ev, &bf->join_ev, &bf->s0_ev, &bf->s1_ev};
+    for (int i = 0; i < 10; i++) {
         if (*evs[i])
             cudaEventDestroy(*evs[i]);
     }
@@ -1663,28 +1754,39 @@ static const kd_backend_ops cuda_ops = {
     .destroy = cuda_destroy,
 };
 
+typedef enum graph_kind {
+    GRAPH_PREFILL, /* a buffer's prefill launch; the table is [count | descriptors] (table_bytes) */
+    GRAPH_LANE,    /* a lane's: the same, then its request's done word (cuda_lane) */
+    GRAPH_STEP,    /* a buffer's step alone; the table is [kda_step | kda_step_seq x bucket] */
+} graph_kind;
+
 /* Captures [launch table upload, record k0, kernel, record k1, done word write (when done_dev)]
  * for one bucket on stream st: the timing events are nodes of the graph, so that a replay is
- * one driver call.  The table is [count | descriptors] (table_bytes).  A lane's graph ends
- * with the store of its request's done word instead (cuda_lane). */
+ * one driver call.  The kernel reads how much of the bucket is live from the table (the step
+ * kernel's blocks past the step's sequences exit at once). */
 static cudaError_t capture(cuda_backend *cb, cudaStream_t st, kda_cuda *k, const uint8_t *table_host,
                            uint8_t *table_dev, cudaEvent_t k0, cudaEvent_t k1, CUdeviceptr done_dev,
-                           bool lane, uint32_t bucket, cudaGraphExec_t *out, char *err,
+                           graph_kind kind, uint32_t bucket, cudaGraphExec_t *out, char *err,
                            size_t errlen)
 {
     cudaGraph_t graph = NULL;
     cudaError_t e = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess)
         return e;
-    cudaMemcpyAsync(table_dev, table_host, table_bytes(bucket), cudaMemcpyHostToDevice, st);
+    size_t bytes = kind == GRAPH_STEP ? sizeof(kda_step) + (size_t)bucket * sizeof(kda_step_seq)
+                                      : table_bytes(bucket);
+    cudaMemcpyAsync(table_dev, table_host, bytes, cudaMemcpyHostToDevice, st);
     cudaEventRecordWithFlags(k0, st, cudaEventRecordExternal);
     kda_error kerr;
-    int krc = kda_cuda_prefill(k, &cb->base.pool, (const kda_seq *)(table_dev + TABLE_HEAD),
-                               (const int32_t *)table_dev, (int32_t)bucket, st, &kerr);
+    int krc = kind == GRAPH_STEP
+                  ? kda_cuda_step(k, &cb->base.pool, (const kda_step *)table_dev, (int32_t)bucket,
+                                  st, &kerr)
+                  : kda_cuda_prefill(k, &cb->base.pool, (const kda_seq *)(table_dev + TABLE_HEAD),
+                                     (const int32_t *)table_dev, (int32_t)bucket, st, &kerr);
     cudaEventRecordWithFlags(k1, st, cudaEventRecordExternal);
     if (done_dev)
         cb->write_value((CUstream)st, done_dev, 1, 0);
-    if (lane && krc == KDA_OK)
+    if (kind == GRAPH_LANE && krc == KDA_OK)
         krc = kda_cuda_store_word((uint64_t *const *)(table_dev + LANE_DONE_ADDR),
                                   (const uint64_t *)(table_dev + LANE_DONE_VALUE), st, &kerr);
     e = cudaStreamEndCapture(st, &graph);
@@ -1698,6 +1800,27 @@ static cudaError_t capture(cuda_backend *cb, cudaStream_t st, kda_cuda *k, const
         e = cudaGraphInstantiate(out, graph, 0);
     if (graph)
         cudaGraphDestroy(graph);
+    return e;
+}
+
+/* Every buffer's step graphs, one per bucket (cuda_buf.step_graphs); on an error none (steps
+ * are then launched directly). */
+static cudaError_t capture_steps(cuda_backend *cb, char *err, size_t errlen)
+{
+    cudaError_t e = cudaSuccess;
+    for (int i = 0; i < KD_CUDA_DEPTH && e == cudaSuccess; i++) {
+        cuda_buf *bf = &cb->buf[i];
+        if (!(bf->step_graphs = calloc(cb->nbuckets, sizeof(*bf->step_graphs))))
+            e = cudaErrorMemoryAllocation;
+        for (uint32_t j = 0; e == cudaSuccess && j < cb->nbuckets; j++)
+            e = capture(cb, cb->stream, cb->k, bf->steps_host, bf->steps_dev, bf->k0_ev,
+                        bf->k1_ev, bf->done_host ? bf->done_dev : 0, GRAPH_STEP, cb->buckets[j],
+                        &bf->step_graphs[j], err, errlen);
+    }
+    if (e != cudaSuccess) {
+        for (int i = 0; i < KD_CUDA_DEPTH; i++)
+            free_step_graphs(&cb->buf[i], cb->nbuckets);
+    }
     return e;
 }
 
@@ -1728,11 +1851,14 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
         (e = cudaEventCreateWithFlags(&bf->begin_ev, cudaEventDefault)) ||
         (e = cudaEventCreateWithFlags(&bf->k0_ev, cudaEventDefault)) ||
         (e = cudaEventCreateWithFlags(&bf->k1_ev, completion_flags)) ||
-        (e = cudaEventCreateWithFlags(&bf->end_ev, completion_flags)))
+        (e = cudaEventCreateWithFlags(&bf->end_ev, completion_flags)) ||
+        (e = cudaEventCreateWithFlags(&bf->s0_ev, cudaEventDefault)) ||
+        (e = cudaEventCreateWithFlags(&bf->s1_ev, completion_flags)))
         return e;
     cb->base.memory.staging += steps_table + table + 2 * cb->stage_bytes;
     /* The graphs copy whole buckets: never let them read uninitialised bytes. */
     memset(bf->table_host, 0, table);
+    memset(bf->steps_host, 0, steps_table);
     bf->count_host = (int32_t *)bf->table_host;
     bf->count_dev = (int32_t *)bf->table_dev;
     bf->desc_host = (kda_seq *)(bf->table_host + TABLE_HEAD);
@@ -1745,11 +1871,11 @@ static cudaError_t alloc_buf(cuda_backend *cb, cuda_buf *bf, uint32_t max_seqs)
 #define DONE_STRIDE_WORDS 16
 
 /* cuda_completion poll: the words the graphs write last, checked once (a captured write lands
- * in host memory); false (batches are then watched through their events alone) when the
- * driver cannot capture one. */
+ * in host memory), and the steps' words (cuda_buf.steps_done_host) after them; false (batches
+ * are then watched through their events alone) when the driver cannot capture one. */
 static bool setup_done_words(cuda_backend *cb)
 {
-    const size_t bytes = KD_CUDA_DEPTH * DONE_STRIDE_WORDS * sizeof(uint32_t);
+    const size_t bytes = 2 * KD_CUDA_DEPTH * DONE_STRIDE_WORDS * sizeof(uint32_t);
     void *dev = NULL;
     cudaGraph_t g = NULL;
     cudaGraphExec_t x = NULL;
@@ -1774,8 +1900,12 @@ static bool setup_done_words(cuda_backend *cb)
     if (!ok)
         return false;
     for (int i = 0; i < KD_CUDA_DEPTH; i++) {
+        const int j = KD_CUDA_DEPTH + i;
         cb->buf[i].done_host = cb->done_words + i * DONE_STRIDE_WORDS;
         cb->buf[i].done_dev = (CUdeviceptr)(uintptr_t)dev + i * DONE_STRIDE_WORDS * sizeof(uint32_t);
+        cb->buf[i].steps_done_host = cb->done_words + j * DONE_STRIDE_WORDS;
+        cb->buf[i].steps_done_dev =
+            (CUdeviceptr)(uintptr_t)dev + j * DONE_STRIDE_WORDS * sizeof(uint32_t);
     }
     return true;
 }
@@ -1839,7 +1969,8 @@ static cudaError_t setup_lanes(cuda_backend *cb, uint32_t max_seqs, uint64_t spl
             return cudaErrorMemoryAllocation;
         for (uint32_t j = 0; j < cb->nbuckets; j++) {
             if ((e = capture(cb, ln->stream, ln->k, ln->table_host, ln->table_dev, ln->k0_ev,
-                             ln->k1_ev, 0, true, cb->buckets[j], &ln->graphs[j], err, errlen)))
+                             ln->k1_ev, 0, GRAPH_LANE, cb->buckets[j], &ln->graphs[j], err,
+                             errlen)))
                 return e;
         }
         if (cb->lane_words) {
@@ -1997,13 +2128,19 @@ int kd_backend_cuda_create(uv_loop_t *loop, const kd_backend_config *cfg, kd_bac
             err[0] = '\0';
             cuda_buf *bf = &cb->buf[i];
             if ((e = capture(cb, cb->stream, cb->k, bf->table_host, bf->table_dev, bf->k0_ev,
-                             bf->k1_ev, bf->done_host ? bf->done_dev : 0, false, cb->buckets[j],
+                             bf->k1_ev, bf->done_host ? bf->done_dev : 0, GRAPH_PREFILL, cb->buckets[j],
                              &bf->graphs[j], err, errlen))) {
                 if (!err[0])
                     cuda_err(err, errlen, e, "capturing a CUDA graph");
                 goto fail;
             }
         }
+    }
+    err[0] = '\0';
+    if ((e = capture_steps(cb, err, errlen))) {
+        KD_WARN("cuda backend: capturing the step graphs failed (%s); steps are launched directly",
+                err[0] ? err : cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* a capture refused is no device fault */
     }
     if ((e = cudaStreamSynchronize(cb->stream))) {
         rc = cuda_err(err, errlen, e, "initialising the device");

@@ -536,6 +536,7 @@ int kd_daemon_init(kd_daemon *d, uv_loop_t *loop, kd_config *cfg, const char *co
                                &d->backend, err, errlen);
     if (rc != KP_OK)
         return rc == KP_E_NOT_SUPPORTED ? KD_EXIT_UNAVAILABLE : KD_EXIT_FAILURE;
+    d->backend->steps_done = kd_engine_steps_done;
     if (kd_pool_init(&d->pool, d->cfg.slots, (uint32_t)random_u64()) != KP_OK ||
         kd_sched_init(&d->sched, d->cfg.slots) != KP_OK) {
         snprintf(err, errlen, "no memory for the bookkeeping of %u slots", d->cfg.slots);

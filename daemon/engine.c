@@ -15,11 +15,15 @@
 #define REQ_OF(j) ((kd_req *)((char *)(j) - offsetof(kd_req, job)))
 #define RUN_OF(b) ((kd_run *)((char *)(b) - offsetof(kd_run, batch)))
 
-/* One batch on its way through the backend, with the requests it serves. */
+/* One batch on its way through the backend, with the requests it serves: those
+ * that added a decode step to it apart, since they may be answered first
+ * (kd_engine_steps_done). */
 struct kd_run {
     kd_batch batch;
     kd_req **reqs;
     uint32_t nreqs;
+    kd_req **step_reqs;   /* not answered yet */
+    uint32_t nstep_reqs;
     struct kd_run *next;  /* the engine's runs in flight */
 };
 
@@ -30,7 +34,18 @@ static void free_run(kd_run *run)
     free(run->batch.dones);
     free(run->batch.steps);
     free(run->reqs);
+    free(run->step_reqs);
     free(run);
+}
+
+/* Answers every request of the run not answered yet. */
+static void finish_run(kd_run *run, const kd_batch *b)
+{
+    for (uint32_t i = 0; i < run->nstep_reqs; i++)
+        kd_exec_finish(run->step_reqs[i], b);
+    run->nstep_reqs = 0;
+    for (uint32_t i = 0; i < run->nreqs; i++)
+        kd_exec_finish(run->reqs[i], b);
 }
 
 /* A run sized for the jobs just formed: every sequence of every job, at
@@ -50,8 +65,9 @@ static kd_run *new_run(kd_job **jobs, size_t n)
     run->batch.dones = calloc(n, sizeof(*run->batch.dones));
     run->batch.steps = calloc(n, sizeof(*run->batch.steps));
     run->reqs = calloc(n, sizeof(*run->reqs));
+    run->step_reqs = calloc(n, sizeof(*run->step_reqs));
     if (!run->batch.seqs || !run->batch.ops || !run->batch.dones || !run->batch.steps ||
-        !run->reqs) {
+        !run->reqs || !run->step_reqs) {
         free_run(run);
         return NULL;
     }
@@ -102,10 +118,15 @@ static bool form_and_submit(kd_engine *en)
     }
     for (size_t i = 0; i < n; i++) {
         kd_req *r = REQ_OF(en->form_scratch[i]);
-        if (kd_exec_prepare(r, &run->batch) == KD_PREPARE_BATCHED)
+        uint32_t steps = run->batch.nsteps;
+        if (kd_exec_prepare(r, &run->batch) != KD_PREPARE_BATCHED)
+            continue;
+        if (run->batch.nsteps > steps)
+            run->step_reqs[run->nstep_reqs++] = r;
+        else
             run->reqs[run->nreqs++] = r;
     }
-    if (run->nreqs == 0) {
+    if (run->nreqs + run->nstep_reqs == 0) {
         free_run(run);
         return true;
     }
@@ -117,8 +138,7 @@ static bool form_and_submit(kd_engine *en)
         run->batch.status = KD_BATCH_FAILED;
         run->batch.code = e.code;
         snprintf(run->batch.message, sizeof(run->batch.message), "%.250s", e.message);
-        for (uint32_t i = 0; i < run->nreqs; i++)
-            kd_exec_finish(run->reqs[i], &run->batch);
+        finish_run(run, &run->batch);
         free_run(run);
         if (e.code == KP_E_DEVICE_FAILED)
             fatal(en, e.message);
@@ -128,8 +148,8 @@ static bool form_and_submit(kd_engine *en)
     en->runs = run;
     en->nruns++;
     d->stats.batches++;
-    KD_DEBUG("batch: %u requests, %u sequences, %u steps, %u operations", run->nreqs,
-             run->batch.nseqs, run->batch.nsteps, run->batch.nops);
+    KD_DEBUG("batch: %u requests, %u sequences, %u steps, %u operations",
+             run->nreqs + run->nstep_reqs, run->batch.nseqs, run->batch.nsteps, run->batch.nops);
     return true;
 }
 
@@ -423,16 +443,15 @@ void kd_engine_batch_done(void *ctx, kd_batch *batch)
     en->nruns--;
     en->progress_ns = uv_hrtime();
     if (batch->status != KD_BATCH_OK)
-        KD_ERROR("batch of %u requests failed (%d): %s", run->nreqs, (int)batch->status,
-                 batch->message);
+        KD_ERROR("batch of %u requests failed (%d): %s", run->nreqs + run->nstep_reqs,
+                 (int)batch->status, batch->message);
     /* Work that waited for a free buffer goes to the device before this
      * batch's responses are written, so the device does not idle meanwhile.
      * Its jobs still head their slots' FIFOs: nothing queued behind them on
      * the same slots can form yet. */
     if (batch->status == KD_BATCH_OK)
         kd_engine_pump(en);
-    for (uint32_t i = 0; i < run->nreqs; i++)
-        kd_exec_finish(run->reqs[i], batch);
+    finish_run(run, batch);
     if (batch->status == KD_BATCH_OK) {
         batch->t.replied_ns = uv_hrtime();
         kd_stats_batch(&d->stats, &batch->t);
@@ -444,6 +463,23 @@ void kd_engine_batch_done(void *ctx, kd_batch *batch)
     free_run(run);
     if (is_fatal)
         fatal(en, why);
+    kd_engine_pump(en);
+}
+
+/* The batch's steps ran before the rest of it: their requests are answered now, with their own
+ * timing; their slots' next requests may form (a later batch runs after all of this one). */
+void kd_engine_steps_done(void *ctx, kd_batch *batch)
+{
+    kd_engine *en = ctx;
+    kd_run *run = RUN_OF(batch);
+    if (run->nstep_reqs == 0)
+        return;
+    kd_batch view = *batch;
+    view.t = batch->steps_t;
+    for (uint32_t i = 0; i < run->nstep_reqs; i++)
+        kd_exec_finish(run->step_reqs[i], &view);
+    run->nstep_reqs = 0;
+    kd_transport_stay_awake(&en->d->net);
     kd_engine_pump(en);
 }
 

@@ -10,7 +10,10 @@
  * the backend gets the batch.  On an idle device a lone request is launched
  * at once; while a batch executes there, a small next batch is held back
  * until the device finishes, it fills up, or its deadline passes (hold.h).
- * Host jobs (slot.free, slot.reset) run as soon as they are runnable.
+ * Host jobs (slot.free, slot.reset) run as soon as they are runnable.  The
+ * requests that added decode steps to a batch are answered when the backend
+ * reports the steps done, which may come before the rest of the batch
+ * (kd_engine_steps_done); the others when the batch is done.
  *
  * The engine pumps itself: after admitting work, when the backend reports a
  * batch done or the device idle, and at a held batch's deadline.  Others
@@ -82,6 +85,7 @@ void kd_engine_abandon_queued(kd_engine *e, const kp_error *err);
 
 /* The backend's callbacks (ctx: the engine). */
 void kd_engine_batch_done(void *ctx, kd_batch *batch);
+void kd_engine_steps_done(void *ctx, kd_batch *batch);
 void kd_engine_device_idle(void *ctx);
 
 #endif /* KDAD_ENGINE_H */

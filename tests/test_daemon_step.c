@@ -8,6 +8,13 @@
  *   chunked form     a step with a sequence over 8 tokens runs the prefill
  *                    kernel: equal bit for bit to a prefill of the same tokens
  *   mixed            a long prefill and steps admitted together
+ *   answered first   a step formed into one batch with a long prefill is
+ *                    answered before the prefill, with the results of the
+ *                    two run apart
+ *   replay           steps of changing sizes with region tensors (on cuda:
+ *                    the step graphs of their buckets, partly filled) equal
+ *                    to the same steps inline (launched directly), bit for
+ *                    bit
  *   rollback         a 4-token draft with its states kept in a region, rolled
  *                    back to 2 accepted tokens by slot.write, equals having
  *                    run those 2 tokens only, and continues the same way
@@ -53,6 +60,7 @@ typedef struct step_req {
     uint64_t expect[300];
     bool has_expect;
     const dh_seq *s;
+    const kp_ref *in; /* q, k, v, g, beta as references; NULL: s's bytes inline */
     kp_ref out, states;
 } step_req;
 
@@ -74,6 +82,13 @@ static uint32_t send_step(dh_client *c, const char *layer, const step_req *q)
     p.v = kp_ref_inline(q->s->v, DH_TOKEN_BYTES(T));
     p.g = kp_ref_inline(q->s->g, DH_TOKEN_BYTES(T));
     p.beta = kp_ref_inline(q->s->beta, DH_BETA_BYTES(T));
+    if (q->in) {
+        p.q = q->in[0];
+        p.k = q->in[1];
+        p.v = q->in[2];
+        p.g = q->in[3];
+        p.beta = q->in[4];
+    }
     p.out = q->out;
     p.states = q->states;
     uint32_t id = dh_id(c);
@@ -464,6 +479,253 @@ static void test_step_rollback(void **unused)
     finish(&d, &c);
 }
 
+/* A shared-memory region the tests lay tensors out in, 256-byte aligned. */
+typedef struct region {
+    uint8_t *map;
+    size_t size, used;
+    uint32_t id;
+} region;
+
+static void region_open(region *g, dh_client *c, size_t size)
+{
+    int fd = dh_memfd(size, true);
+    g->map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    assert_true(g->map != MAP_FAILED);
+    g->id = dh_register_shm(c, fd, size);
+    close(fd);
+    g->size = size;
+    g->used = 0;
+}
+
+/* n bytes of the region (copied from src unless NULL): their reference. */
+static kp_ref region_put(region *g, const void *src, size_t n)
+{
+    size_t off = g->used;
+    assert_true(off + n <= g->size);
+    if (src)
+        memcpy(g->map + off, src, n);
+    g->used = (off + n + 255) & ~(size_t)255;
+    return kp_ref_region(g->id, off, n);
+}
+
+/* s's five inputs into the region. */
+static void region_inputs(region *g, const dh_seq *s, kp_ref in[5])
+{
+    in[0] = region_put(g, s->q, DH_TOKEN_BYTES(s->len));
+    in[1] = region_put(g, s->k, DH_TOKEN_BYTES(s->len));
+    in[2] = region_put(g, s->v, DH_TOKEN_BYTES(s->len));
+    in[3] = region_put(g, s->g, DH_TOKEN_BYTES(s->len));
+    in[4] = region_put(g, s->beta, DH_BETA_BYTES(s->len));
+}
+
+/* A one-sequence prefill of len tokens whose inputs are in a region; out: a region's, or
+ * absent (inline output). */
+static uint32_t send_prefill_refs(dh_client *c, uint64_t slot, uint32_t len, const kp_ref in[5],
+                                  kp_ref out)
+{
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.slot = slot;
+    q.len = len;
+    q.q = in[0];
+    q.k = in[1];
+    q.v = in[2];
+    q.g = in[3];
+    q.beta = in[4];
+    q.out = out;
+    kp_prefill_params p = {.layer = "L", .seqs = &q, .nseqs = 1};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_prefill_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    return id;
+}
+
+/* The response to a one-sequence prefill of len tokens sent with out_ref: its inline output
+ * into out (if out), its result. */
+static void recv_prefill_result(dh_client *c, uint32_t id, uint32_t len, kp_ref out_ref,
+                                uint16_t *out, kp_prefill_result *res)
+{
+    dh_expect_result(c, id);
+    kp_prefill_seq q;
+    memset(&q, 0, sizeof(q));
+    q.len = len;
+    q.out = out_ref;
+    kp_prefill_params req = {.layer = "", .seqs = &q, .nseqs = 1};
+    assert_int_equal(kp_prefill_result_decode(&c->msg, &c->session, &req, res, NULL), KP_OK);
+    assert_true(res->seqs[0].pos == len);
+    if (out)
+        memcpy(out, res->seqs[0].out.data, DH_TOKEN_BYTES(len));
+}
+
+/* Whether the response to id came already (held while the test waited for another). */
+static bool answered(const dh_client *c, uint32_t id)
+{
+    for (int i = 0; i < c->nheld; i++) {
+        if (c->held[i].id == id)
+            return true;
+    }
+    return false;
+}
+
+/*
+ * A step that shares a batch with a long prefill is answered when its own
+ * work is done, before the prefill (PROTOCOL.md, step: how kdad runs it).
+ * A first long prefill keeps the device busy while a second one and the step
+ * arrive, so the two form one batch when it ends (the cpu backend runs one
+ * batch at a time; on cuda the next batch is held while the device is busy).
+ * Every input is in a region, so the three requests arrive within
+ * microseconds, and so is the first prefill's output, so that it goes to the
+ * device at once (nothing to stage on a worker first).  The results equal
+ * those of the same work run apart.
+ */
+static void test_step_answered_first(void **unused)
+{
+    static const char held_yaml[] =
+        "heads: 4\nslots: 300\ncpu_threads: 2\nlog:\n  level: info\n"
+        "limits:\n  max_slots_per_client: 300\n"
+        "batching:\n  hold_while_busy: true\n  hold_fill_percent: 100\n  hold_max_us: 1000000\n";
+#ifdef DH_BACKEND_IS_CUDA
+    enum { PLEN = 16384 }; /* a prefill kernel of hundreds of microseconds */
+#else
+    enum { PLEN = 1024 };
+#endif
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    test_rng r;
+    dh_start_or_skip(&d, held_yaml);
+    rng_seed(&r, 47);
+    dh_layer_make(&l, &r);
+    dh_connect(&c, &d);
+    dh_hello(&c);
+    dh_register_layer(&c, "L", &l);
+    dh_seq ps, ss;
+    dh_seq_make(&ps, &r, PLEN);
+    dh_seq_make(&ss, &r, 3);
+    region g;
+    region_open(&g, &c, 6 * DH_TOKEN_BYTES(PLEN + 3) + 8 * DH_TOKEN_BYTES(3) + (1u << 20));
+    kp_ref pin[5], sin[5];
+    region_inputs(&g, &ps, pin);
+    region_inputs(&g, &ss, sin);
+    kp_ref out_apart = region_put(&g, NULL, DH_TOKEN_BYTES(3));
+    kp_ref out_mixed = region_put(&g, NULL, DH_TOKEN_BYTES(3));
+    kp_ref out_busy = region_put(&g, NULL, DH_TOKEN_BYTES(PLEN));
+    const kp_ref out_inline = {.kind = KP_REF_ABSENT};
+    uint16_t *pout = malloc(DH_TOKEN_BYTES(PLEN)), *pout2 = malloc(DH_TOKEN_BYTES(PLEN));
+
+    /* apart: the references */
+    uint64_t ref_slot = dh_alloc(&c);
+    step_req q = {.n = 2, .s = &ss, .in = sin, .out = out_apart};
+    q.lens[0] = 1;
+    q.lens[1] = 2;
+    q.slots[0] = dh_alloc(&c);
+    q.slots[1] = dh_alloc(&c);
+    kp_prefill_result pres;
+    recv_prefill_result(&c, send_prefill_refs(&c, ref_slot, PLEN, pin, out_inline), PLEN,
+                        out_inline, pout, &pres);
+    uint64_t pos[2];
+    recv_step(&c, send_step(&c, "L", &q), &q, pos, NULL, NULL);
+
+    /* together: a prefill that keeps the device busy, then the prefill and the step */
+    step_req qm = q;
+    qm.slots[0] = dh_alloc(&c);
+    qm.slots[1] = dh_alloc(&c);
+    qm.out = out_mixed;
+    uint64_t busy_slot = dh_alloc(&c), mixed_slot = dh_alloc(&c);
+    uint32_t busy_id = send_prefill_refs(&c, busy_slot, PLEN, pin, out_busy);
+    uint32_t pid = send_prefill_refs(&c, mixed_slot, PLEN, pin, out_inline);
+    uint32_t sid = send_step(&c, "L", &qm);
+    kp_step_result sres;
+    recv_step(&c, sid, &qm, pos, NULL, &sres);
+    assert_false(answered(&c, pid)); /* the step came first */
+    assert_true(pos[0] == 1 && pos[1] == 2);
+    recv_prefill_result(&c, busy_id, PLEN, out_busy, NULL, &pres);
+    recv_prefill_result(&c, pid, PLEN, out_inline, pout2, &pres);
+    printf("a step beside a prefill of %u tokens (%s): the step's run %llu us, the prefill's "
+           "run %llu us, its kernel %llu us\n", PLEN, DH_BACKEND,
+           (unsigned long long)sres.run_us, (unsigned long long)pres.run_us,
+           (unsigned long long)pres.kernel_us);
+    /* the step did not wait for the prefill's chains */
+    assert_true(sres.run_us < pres.kernel_us);
+
+    /* the same results as apart */
+    assert_memory_equal(pout, pout2, DH_TOKEN_BYTES(PLEN));
+    assert_memory_equal(g.map + out_apart.offset, g.map + out_mixed.offset, DH_TOKEN_BYTES(3));
+    float *x = malloc(STATE_F32), *y = malloc(STATE_F32);
+    for (int i = 0; i < 2; i++) {
+        assert_true(dh_read_state(&c, q.slots[i], x) == dh_read_state(&c, qm.slots[i], y));
+        assert_memory_equal(x, y, STATE_F32);
+    }
+    assert_true(dh_read_state(&c, ref_slot, x) == PLEN);
+    assert_true(dh_read_state(&c, mixed_slot, y) == PLEN);
+    assert_memory_equal(x, y, STATE_F32);
+    munmap(g.map, g.size);
+    free(x);
+    free(y);
+    free(pout);
+    free(pout2);
+    dh_seq_free(&ps);
+    dh_seq_free(&ss);
+    finish(&d, &c);
+}
+
+/*
+ * Steps of changing sizes, each sent twice on two sets of slots that hold the
+ * same states: with region tensors (on cuda a step alone with nothing to copy:
+ * the step graph of its size bucket, whose blocks past the step's sequences
+ * exit) and with inline tensors (staged: launched directly).  Outputs and
+ * states are the same bits.
+ */
+static void test_step_graph_replay(void **unused)
+{
+    dh_daemon d;
+    dh_client c;
+    dh_layer l;
+    test_rng r;
+    start(&d, &c, &l, &r, 48);
+    enum { N = 7, ROUNDS = 6 };
+    static const uint32_t sizes[ROUNDS] = {3, 3, 1, 7, 2, 7};
+    uint64_t a[N], b[N];
+    for (int i = 0; i < N; i++) {
+        a[i] = dh_alloc(&c);
+        b[i] = dh_alloc(&c);
+    }
+    region g;
+    region_open(&g, &c, 6 * DH_TOKEN_BYTES(N) + (1u << 16));
+    kp_ref out = region_put(&g, NULL, DH_TOKEN_BYTES(N));
+    uint16_t *inl = malloc(DH_TOKEN_BYTES(N));
+    for (int k = 0; k < ROUNDS; k++) {
+        dh_seq s;
+        dh_seq_make(&s, &r, sizes[k]);
+        g.used = out.offset + DH_TOKEN_BYTES(N);
+        kp_ref in[5];
+        region_inputs(&g, &s, in);
+        step_req qi = {.n = sizes[k], .s = &s}, qr = {.n = sizes[k], .s = &s, .in = in};
+        qr.out = kp_ref_region(g.id, out.offset, DH_TOKEN_BYTES(sizes[k]));
+        for (uint32_t i = 0; i < sizes[k]; i++) {
+            qi.slots[i] = a[i];
+            qr.slots[i] = b[i];
+            qi.lens[i] = qr.lens[i] = 1;
+        }
+        uint64_t pi[N], pr[N];
+        recv_step(&c, send_step(&c, "L", &qi), &qi, pi, inl, NULL);
+        recv_step(&c, send_step(&c, "L", &qr), &qr, pr, NULL, NULL);
+        assert_memory_equal(pi, pr, sizes[k] * sizeof(uint64_t));
+        assert_memory_equal(inl, g.map + out.offset, DH_TOKEN_BYTES(sizes[k]));
+        dh_seq_free(&s);
+    }
+    float *x = malloc(STATE_F32), *y = malloc(STATE_F32);
+    for (int i = 0; i < N; i++) {
+        assert_true(dh_read_state(&c, a[i], x) == dh_read_state(&c, b[i], y));
+        assert_memory_equal(x, y, STATE_F32);
+    }
+    munmap(g.map, g.size);
+    free(x);
+    free(y);
+    free(inl);
+    finish(&d, &c);
+}
+
 static void test_step_refusals(void **unused)
 {
     dh_daemon d;
@@ -621,6 +883,8 @@ int main(void)
         cmocka_unit_test_teardown(test_step_recurrent, dh_teardown),
         cmocka_unit_test_teardown(test_step_chunked_equals_prefill, dh_teardown),
         cmocka_unit_test_teardown(test_step_mixed, dh_teardown),
+        cmocka_unit_test_teardown(test_step_answered_first, dh_teardown),
+        cmocka_unit_test_teardown(test_step_graph_replay, dh_teardown),
         cmocka_unit_test_teardown(test_step_rollback, dh_teardown),
         cmocka_unit_test_teardown(test_step_refusals, dh_teardown),
         cmocka_unit_test_teardown(test_step_admission_cost, dh_teardown),
