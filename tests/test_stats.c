@@ -69,7 +69,7 @@ static void test_counters_and_prometheus(void **unused)
     kd_stats_gauges g = {.slots_total = 8, .slots_used = 3, .slots_lost = 1, .layers = 2,
                          .rings = 1, .queued = 5, .running = 1,
                          .ring_doorbells = 17, .has_memory = true,
-                         .memory = {.pool = 1 << 30, .scratch = 256 << 20, .total = 1 << 31}};
+                         .memory = {.pool = 1ull << 30, .scratch = 256ull << 20, .total = 1ull << 31}};
     kd_stats_view v;
     kp_stats_result r;
     kd_stats_result(&s, &g, 0, &v, &r);
