@@ -613,20 +613,25 @@ void dh_expect_goodbye(dh_client *c, int code, const char *substr)
     assert_false(dh_recv(c)); /* then the daemon closes */
 }
 
-void dh_hello(dh_client *c)
+void dh_hello_result(dh_client *c, kp_hello_result *r)
 {
     kp_hello_params p = {{KP_PROTOCOL_VERSION}, 1, "daemon_harness"};
     uint32_t id = dh_id(c);
     assert_int_equal(kp_hello_params_encode(&c->w, id, &p, NULL), KP_OK);
     dh_send(c);
     dh_expect_result(c, id);
-    kp_hello_result r;
-    assert_int_equal(kp_hello_result_decode(&c->msg, &r, NULL), KP_OK);
-    kp_session_from_hello(&c->session, &r);
-    assert_int_equal(r.geometry.heads, DH_HEADS);
+    assert_int_equal(kp_hello_result_decode(&c->msg, r, NULL), KP_OK);
+    kp_session_from_hello(&c->session, r);
+    assert_int_equal(r->geometry.heads, DH_HEADS);
     c->semaphores = false;
-    for (uint32_t i = 0; i < r.nfeatures; i++)
-        c->semaphores |= strcmp(r.features[i], KP_FEATURE_PREFILL_SEMAPHORES) == 0;
+    for (uint32_t i = 0; i < r->nfeatures; i++)
+        c->semaphores |= strcmp(r->features[i], KP_FEATURE_PREFILL_SEMAPHORES) == 0;
+}
+
+void dh_hello(dh_client *c)
+{
+    kp_hello_result r;
+    dh_hello_result(c, &r);
 }
 
 int dh_memfd(size_t size, bool seal)
@@ -641,7 +646,12 @@ int dh_memfd(size_t size, bool seal)
 
 uint64_t dh_alloc(dh_client *c)
 {
-    kp_slot_alloc_params p = {1, true};
+    return dh_alloc_flags(c, true);
+}
+
+uint64_t dh_alloc_flags(dh_client *c, bool zero)
+{
+    kp_slot_alloc_params p = {1, zero};
     uint32_t id = dh_id(c);
     assert_int_equal(kp_slot_alloc_params_encode(&c->w, id, &p, NULL), KP_OK);
     dh_send(c);

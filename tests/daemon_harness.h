@@ -155,7 +155,11 @@ int dh_memfd(size_t size, bool seal);
 
 /* Calls that must succeed. */
 void dh_hello(dh_client *c);
+/* dh_hello that keeps the answer (its strings point into c's message until the next frame). */
+void dh_hello_result(dh_client *c, kp_hello_result *r);
+/* One slot, zeroed at once (dh_alloc) or only when first used (zero false). */
 uint64_t dh_alloc(dh_client *c);
+uint64_t dh_alloc_flags(dh_client *c, bool zero);
 /* layer.register; returns its "created". */
 bool dh_register_layer(dh_client *c, const char *name, const dh_layer *l);
 /* region.register_shm of fd (size bytes); returns the region. */

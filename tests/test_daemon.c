@@ -218,14 +218,8 @@ static void test_memory(void **unused)
     dh_layer l;
     start(&d, "cuda_split_scratch: 64MiB\n");
     dh_connect(&c, &d);
-    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "test"};
-    uint32_t id = dh_id(&c);
-    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
-    dh_send(&c);
-    dh_expect_result(&c, id);
     kp_hello_result hr;
-    assert_int_equal(kp_hello_result_decode(&c.msg, &hr, NULL), KP_OK);
-    kp_session_from_hello(&c.session, &hr);
+    dh_hello_result(&c, &hr);
     const kp_memory m = hr.memory;
     assert_true(hr.has_memory);
     assert_true(m.pool == 64 * kp_state_bytes(DH_HEADS, KP_DTYPE_F32));

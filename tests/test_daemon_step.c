@@ -118,18 +118,6 @@ static void recv_step(dh_client *c, uint32_t id, const step_req *q, uint64_t *po
         *res_out = res;
 }
 
-static uint64_t alloc_flags(dh_client *c, bool zero)
-{
-    kp_slot_alloc_params p = {1, zero};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_slot_alloc_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-    kp_slot_list r;
-    assert_int_equal(kp_slot_alloc_result_decode(&c->msg, &r, NULL), KP_OK);
-    return r.slots[0];
-}
-
 static uint64_t fork_slot(dh_client *c, uint64_t src)
 {
     kp_slot_fork_params p = {src, false, 0};
@@ -181,13 +169,8 @@ static void test_hello_feature(void **unused)
     dh_client c;
     dh_start_or_skip(&d, yaml);
     dh_connect(&c, &d);
-    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "test_daemon_step"};
-    uint32_t id = dh_id(&c);
-    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
-    dh_send(&c);
-    dh_expect_result(&c, id);
     kp_hello_result hr;
-    assert_int_equal(kp_hello_result_decode(&c.msg, &hr, NULL), KP_OK);
+    dh_hello_result(&c, &hr);
     bool found = false;
     for (uint32_t i = 0; i < hr.nfeatures; i++)
         found |= strcmp(hr.features[i], KP_FEATURE_STEP) == 0;
@@ -771,7 +754,7 @@ static void test_step_refusals(void **unused)
     q.has_expect = false;
 
     /* an empty slot has no state to continue */
-    q.slots[1] = alloc_flags(&c, false);
+    q.slots[1] = dh_alloc_flags(&c, false);
     id = send_step(&c, "L", &q);
     dh_expect_error(&c, id, KP_E_STATE_LOST, "slots[1]");
     assert_true(dh_read_state(&c, a, x) == 2);
