@@ -176,6 +176,13 @@ uint32_t dh_send_prefill_ready(dh_client *c, const char *layer, uint64_t slot, c
 uint64_t dh_recv_prefill(dh_client *c, uint32_t id, const dh_seq *s, uint16_t *out);
 /* slot.read as f32 into state[H*128*128]; returns the position. */
 uint64_t dh_read_state(dh_client *c, uint64_t slot, float *state);
+/* The same in dtype (DH_STATE_ELEMS elements of it). */
+uint64_t dh_read_state_as(dh_client *c, uint64_t slot, kp_dtype dtype, void *state);
+/* slot.fork of src into dst (NULL: a new slot); returns the fork, its position in *pos
+ * (pos may be NULL). */
+uint64_t dh_fork(dh_client *c, uint64_t src, const uint64_t *dst, uint64_t *pos);
+/* slot.write of a state in dtype at pos. */
+void dh_write_state(dh_client *c, uint64_t slot, uint64_t pos, kp_dtype dtype, kp_ref state);
 /* A stats result (strings and arrays live until the next dh_recv). */
 void dh_stats(dh_client *c, kp_stats_result *r);
 uint64_t dh_counter(const kp_counter *v, uint32_t n, const char *name);
