@@ -628,6 +628,18 @@ static void deliver(kd_conn *c)
     c->t->h.on_frame(c, body, len, uv_hrtime());
 }
 
+/* Acts on the reader's answer to new bytes: a whole frame, a broken one, or
+ * part of one. */
+static void after_read(kd_conn *c, int rc, const kp_error *e)
+{
+    if (rc == KP_READ_FRAME)
+        deliver(c);
+    else if (rc < 0)
+        protocol_close(c, e);
+    else
+        account_partial(c);
+}
+
 /* Feeds buffered bytes to the reader while reading is allowed. */
 static void process_buffered(kd_conn *c)
 {
@@ -638,12 +650,7 @@ static void process_buffered(kd_conn *c)
         kp_error e;
         int rc = kp_reader_feed(&c->reader, &data, &len, &e);
         c->rpos = c->rlen - len;
-        if (rc == KP_READ_FRAME)
-            deliver(c);
-        else if (rc < 0)
-            protocol_close(c, &e);
-        else
-            account_partial(c);
+        after_read(c, rc, &e);
     }
     conn_unref(c);
 }
@@ -724,12 +731,7 @@ static void read_some(kd_conn *c)
         }
         kp_error e;
         int rc = kp_reader_commit(&c->reader, (size_t)n, &e);
-        if (rc == KP_READ_FRAME)
-            deliver(c);
-        else if (rc < 0)
-            protocol_close(c, &e);
-        else
-            account_partial(c);
+        after_read(c, rc, &e);
     }
     if (c->ring_on && !c->closing && c->ring.tail != ring_tail) {
         kd_transport_stay_awake(c->t); /* a ring client at work: keep polling its ring */

@@ -86,6 +86,14 @@ static void fatal(kd_engine *e, const char *why)
     e->on_fatal(e->ctx, why);
 }
 
+/* A batch the backend did not take: failed with its error, nothing ran. */
+static void submit_failed(kd_batch *b, const kp_error *e)
+{
+    b->status = KD_BATCH_FAILED;
+    b->code = e->code;
+    snprintf(b->message, sizeof(b->message), "%.250s", e->message);
+}
+
 /* Forms one batch and hands it to the backend; false when nothing was runnable. */
 static bool form_and_submit(kd_engine *en)
 {
@@ -135,9 +143,7 @@ static bool form_and_submit(kd_engine *en)
         en->progress_ns = uv_hrtime();
     if (kd_backend_submit(d->backend, &run->batch, &e) != KP_OK) {
         KD_ERROR("submitting a batch failed: %s", e.message);
-        run->batch.status = KD_BATCH_FAILED;
-        run->batch.code = e.code;
-        snprintf(run->batch.message, sizeof(run->batch.message), "%.250s", e.message);
+        submit_failed(&run->batch, &e);
         finish_run(run, &run->batch);
         free_run(run);
         if (e.code == KP_E_DEVICE_FAILED)
@@ -197,9 +203,7 @@ static void launch_gated(kd_engine *en)
         kd_ready_wait *w = kd_exec_ready_wait(r);
         if (kd_backend_submit_gated(b, &run->batch, &w->word, &e) != KP_OK) {
             KD_ERROR("submitting a gated batch failed: %s", e.message);
-            run->batch.status = KD_BATCH_FAILED;
-            run->batch.code = e.code;
-            snprintf(run->batch.message, sizeof(run->batch.message), "%.250s", e.message);
+            submit_failed(&run->batch, &e);
             kd_exec_finish(r, &run->batch);
             free_run(run);
             if (e.code == KP_E_DEVICE_FAILED)

@@ -197,6 +197,23 @@ static uint64_t tensor_stage_cost(const kd_req *r, kd_buf buf, uint64_t bytes)
     return buf.host ? stage_cost(r, bytes) : 0;
 }
 
+/* An output left out of the request comes back inline: the batch allocates
+ * its buffer, which the cuda backend stages. */
+static void inline_output(kd_req *r, uint64_t bytes, kd_job_cost *cost)
+{
+    r->exec->bytes_out[KP_TRANSPORT_ID_INLINE] += bytes;
+    cost->stage_out += stage_cost(r, bytes);
+}
+
+/* A slot read or write: the cuda backend stages a pool-dtype copy of the
+ * state unless it moves it directly between device memory and the pool. */
+static uint64_t slot_stage_cost(const kd_req *r, kd_buf buf, kp_dtype dtype)
+{
+    const kd_backend *b = daemon_of(r)->backend;
+    bool direct = buf.dev && (kda_dtype)dtype == b->pool.dtype;
+    return direct ? 0 : stage_cost(r, kd_backend_slot_bytes(b));
+}
+
 /* A slot transfer that the device must convert between dtypes needs host
  * memory on the client's side. */
 static int check_convertible(const kd_req *r, kd_buf buf, kp_dtype dtype, const char *field,
@@ -272,9 +289,8 @@ static int admit_prefill(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_erro
             const kp_ref *ref = &q->tensors[t];
             kd_buf *buf = &x->prefill.buf[i][t];
             bool out = t == KP_TENSOR_OUT;
-            if (ref->kind == KP_REF_ABSENT) { /* inline output: a buffer when the batch forms */
-                x->bytes_out[KP_TRANSPORT_ID_INLINE] += kp_token_tensor_bytes(q->len, heads);
-                cost->stage_out += stage_cost(r, kp_token_tensor_bytes(q->len, heads));
+            if (ref->kind == KP_REF_ABSENT) {
+                inline_output(r, kp_token_tensor_bytes(q->len, heads), cost);
                 continue;
             }
             if ((rc = use_ref(r, ref, SEQ_FIELD(i, kp_prefill_tensor_name(t)), out, buf, e)))
@@ -356,9 +372,7 @@ static int admit_read(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *
     } else {
         x->bytes_out[KP_TRANSPORT_ID_INLINE] += bytes;
     }
-    /* The cuda backend stages a pool-dtype copy when it cannot write directly. */
-    bool direct = x->read.out.dev && (kda_dtype)p.dtype == daemon_of(r)->backend->pool.dtype;
-    cost->stage_out = direct ? 0 : stage_cost(r, kd_backend_slot_bytes(daemon_of(r)->backend));
+    cost->stage_out = slot_stage_cost(r, x->read.out, p.dtype);
     *nslots = 1;
     return KP_OK;
 }
@@ -378,8 +392,7 @@ static int admit_write(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error 
         return rc;
     x->write.dtype = p.dtype;
     x->write.pos = p.pos;
-    bool direct = x->write.in.dev && (kda_dtype)p.dtype == daemon_of(r)->backend->pool.dtype;
-    cost->stage_in = direct ? 0 : stage_cost(r, kd_backend_slot_bytes(daemon_of(r)->backend));
+    cost->stage_in = slot_stage_cost(r, x->write.in, p.dtype);
     *nslots = 1;
     return KP_OK;
 }
@@ -419,11 +432,8 @@ static int admit_step(kd_req *r, kd_job_cost *cost, uint32_t *nslots, kp_error *
         const kp_ref *ref = &p->tensors[t];
         const bool out = t >= KP_STEP_OUT;
         if (ref->kind == KP_REF_ABSENT) {
-            if (t == KP_STEP_OUT) { /* inline output: a buffer when the batch forms */
-                uint64_t n = kp_token_tensor_bytes(p->tokens, heads);
-                x->bytes_out[KP_TRANSPORT_ID_INLINE] += n;
-                cost->stage_out += stage_cost(r, n);
-            }
+            if (t == KP_STEP_OUT)
+                inline_output(r, kp_token_tensor_bytes(p->tokens, heads), cost);
             continue;
         }
         if ((rc = use_ref(r, ref, FIELD(kp_step_tensor_name(t)), out, &x->step.buf[t], e)))

@@ -613,20 +613,25 @@ void dh_expect_goodbye(dh_client *c, int code, const char *substr)
     assert_false(dh_recv(c)); /* then the daemon closes */
 }
 
-void dh_hello(dh_client *c)
+void dh_hello_result(dh_client *c, kp_hello_result *r)
 {
     kp_hello_params p = {{KP_PROTOCOL_VERSION}, 1, "daemon_harness"};
     uint32_t id = dh_id(c);
     assert_int_equal(kp_hello_params_encode(&c->w, id, &p, NULL), KP_OK);
     dh_send(c);
     dh_expect_result(c, id);
-    kp_hello_result r;
-    assert_int_equal(kp_hello_result_decode(&c->msg, &r, NULL), KP_OK);
-    kp_session_from_hello(&c->session, &r);
-    assert_int_equal(r.geometry.heads, DH_HEADS);
+    assert_int_equal(kp_hello_result_decode(&c->msg, r, NULL), KP_OK);
+    kp_session_from_hello(&c->session, r);
+    assert_int_equal(r->geometry.heads, DH_HEADS);
     c->semaphores = false;
-    for (uint32_t i = 0; i < r.nfeatures; i++)
-        c->semaphores |= strcmp(r.features[i], KP_FEATURE_PREFILL_SEMAPHORES) == 0;
+    for (uint32_t i = 0; i < r->nfeatures; i++)
+        c->semaphores |= strcmp(r->features[i], KP_FEATURE_PREFILL_SEMAPHORES) == 0;
+}
+
+void dh_hello(dh_client *c)
+{
+    kp_hello_result r;
+    dh_hello_result(c, &r);
 }
 
 int dh_memfd(size_t size, bool seal)
@@ -641,7 +646,12 @@ int dh_memfd(size_t size, bool seal)
 
 uint64_t dh_alloc(dh_client *c)
 {
-    kp_slot_alloc_params p = {1, true};
+    return dh_alloc_flags(c, true);
+}
+
+uint64_t dh_alloc_flags(dh_client *c, bool zero)
+{
+    kp_slot_alloc_params p = {1, zero};
     uint32_t id = dh_id(c);
     assert_int_equal(kp_slot_alloc_params_encode(&c->w, id, &p, NULL), KP_OK);
     dh_send(c);
@@ -730,11 +740,16 @@ uint64_t dh_recv_prefill(dh_client *c, uint32_t id, const dh_seq *s, uint16_t *o
 
 uint64_t dh_read_state(dh_client *c, uint64_t slot, float *state)
 {
+    return dh_read_state_as(c, slot, KP_DTYPE_F32, state);
+}
+
+uint64_t dh_read_state_as(dh_client *c, uint64_t slot, kp_dtype dtype, void *state)
+{
     kp_slot_read_params p;
     memset(&p, 0, sizeof(p));
     p.slot = slot;
     p.has_dtype = true;
-    p.dtype = KP_DTYPE_F32;
+    p.dtype = dtype;
     uint32_t id = dh_id(c);
     assert_int_equal(kp_slot_read_params_encode(&c->w, id, &p, NULL), KP_OK);
     dh_send(c);
@@ -743,9 +758,33 @@ uint64_t dh_read_state(dh_client *c, uint64_t slot, float *state)
     kp_error e;
     if (kp_slot_read_result_decode(&c->msg, &c->session, &r, &e) != KP_OK)
         fail_msg("slot.read result: %s", e.message);
+    assert_int_equal(r.dtype, dtype);
     assert_int_equal(r.state.kind, KP_REF_INLINE);
-    memcpy(state, r.state.data, DH_STATE_ELEMS * sizeof(float));
+    memcpy(state, r.state.data, DH_STATE_ELEMS * kp_dtype_size(dtype));
     return r.pos;
+}
+
+uint64_t dh_fork(dh_client *c, uint64_t src, const uint64_t *dst, uint64_t *pos)
+{
+    kp_slot_fork_params p = {src, dst != NULL, dst ? *dst : 0};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_fork_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
+    kp_slot_fork_result r;
+    assert_int_equal(kp_slot_fork_result_decode(&c->msg, &r, NULL), KP_OK);
+    if (pos)
+        *pos = r.pos;
+    return r.slot;
+}
+
+void dh_write_state(dh_client *c, uint64_t slot, uint64_t pos, kp_dtype dtype, kp_ref state)
+{
+    kp_slot_write_params p = {slot, pos, dtype, state};
+    uint32_t id = dh_id(c);
+    assert_int_equal(kp_slot_write_params_encode(&c->w, id, &p, NULL), KP_OK);
+    dh_send(c);
+    dh_expect_result(c, id);
 }
 
 void dh_stats(dh_client *c, kp_stats_result *r)

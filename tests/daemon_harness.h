@@ -155,7 +155,11 @@ int dh_memfd(size_t size, bool seal);
 
 /* Calls that must succeed. */
 void dh_hello(dh_client *c);
+/* dh_hello that keeps the answer (its strings point into c's message until the next frame). */
+void dh_hello_result(dh_client *c, kp_hello_result *r);
+/* One slot, zeroed at once (dh_alloc) or only when first used (zero false). */
 uint64_t dh_alloc(dh_client *c);
+uint64_t dh_alloc_flags(dh_client *c, bool zero);
 /* layer.register; returns its "created". */
 bool dh_register_layer(dh_client *c, const char *name, const dh_layer *l);
 /* region.register_shm of fd (size bytes); returns the region. */
@@ -172,6 +176,13 @@ uint32_t dh_send_prefill_ready(dh_client *c, const char *layer, uint64_t slot, c
 uint64_t dh_recv_prefill(dh_client *c, uint32_t id, const dh_seq *s, uint16_t *out);
 /* slot.read as f32 into state[H*128*128]; returns the position. */
 uint64_t dh_read_state(dh_client *c, uint64_t slot, float *state);
+/* The same in dtype (DH_STATE_ELEMS elements of it). */
+uint64_t dh_read_state_as(dh_client *c, uint64_t slot, kp_dtype dtype, void *state);
+/* slot.fork of src into dst (NULL: a new slot); returns the fork, its position in *pos
+ * (pos may be NULL). */
+uint64_t dh_fork(dh_client *c, uint64_t src, const uint64_t *dst, uint64_t *pos);
+/* slot.write of a state in dtype at pos. */
+void dh_write_state(dh_client *c, uint64_t slot, uint64_t pos, kp_dtype dtype, kp_ref state);
 /* A stats result (strings and arrays live until the next dh_recv). */
 void dh_stats(dh_client *c, kp_stats_result *r);
 uint64_t dh_counter(const kp_counter *v, uint32_t n, const char *name);

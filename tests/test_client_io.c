@@ -51,6 +51,34 @@ static bool is_pattern(const void *data, size_t n, unsigned seed)
     return true;
 }
 
+/* A client connected to the fake (10 s timeout). */
+static kdac_client *connect_to(const fake_server *s)
+{
+    kdac_client *c;
+    kdac_error err;
+    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
+    return c;
+}
+
+/* Closes the client; the fake's script must have ended clean. */
+static void close_and_stop(kdac_client *c, fake_server *s)
+{
+    kdac_client_close(c);
+    assert_int_equal(fake_stop(s), 0);
+}
+
+/* The client's health call fails with status, its message naming part; then
+ * the fake stops clean. */
+static void expect_health_error(fake_server *s, int status, const char *part)
+{
+    kdac_client *c = connect_to(s);
+    kdac_error err;
+    kdac_health_info h;
+    assert_int_equal(kdac_health(c, &h, &err), status);
+    assert_contains(err.message, part);
+    close_and_stop(c, s);
+}
+
 /* A callback's record of what it saw. */
 typedef struct seen {
     int calls;
@@ -140,9 +168,8 @@ static void script_slow_reader(fake_conn *fc, void *arg)
 static void test_partial_frames(void **state)
 {
     fake_server *s = fake_start(script_slow_reader, NULL);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     uint8_t *in = pattern(TOK(BIG_LEN), 1);
     uint8_t *out = calloc(1, TOK(BIG_LEN));
     kdac_seq q = seq_of(77, BIG_LEN, in, out);
@@ -164,8 +191,7 @@ static void test_partial_frames(void **state)
     assert_true(st.sent_bytes > 4 * TOK(BIG_LEN));
     assert_true(st.recv_bytes > TOK(BIG_LEN));
     assert_int_equal(kdac_client_events(c), KDAC_READABLE);
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    close_and_stop(c, s);
     free(in);
     free(out);
 }
@@ -205,9 +231,8 @@ static void script_reverse(fake_conn *fc, void *arg)
 static void test_pipelined_out_of_order(void **state)
 {
     fake_server *s = fake_start(script_reverse, NULL);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     uint8_t *in = pattern(TOK(2), 0);
     uint8_t *outs[NPIPE];
     log_ctx log = {0};
@@ -235,8 +260,7 @@ static void test_pipelined_out_of_order(void **state)
         assert_int_equal(log.s[i].pos, 1000 + i);
         assert_true(is_pattern(outs[i], TOK(2), (unsigned)i));
     }
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    close_and_stop(c, s);
     for (int i = 0; i < NPIPE; i++)
         free(outs[i]);
     free(in);
@@ -258,9 +282,8 @@ static void test_daemon_gone_blocking(void **state)
 {
     int n = 1;
     fake_server *s = fake_start(script_vanish, &n);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     kdac_health_info h;
     assert_int_equal(kdac_health(c, &h, &err), KDAC_E_DISCONNECTED);
     assert_contains(err.message, "closed the connection with requests in flight");
@@ -271,17 +294,15 @@ static void test_daemon_gone_blocking(void **state)
     uint64_t slot;
     assert_int_equal(kdac_slot_alloc(c, 1, 0, &slot, &err), KDAC_E_DISCONNECTED);
     assert_int_equal(kdac_client_progress(c), KDAC_E_DISCONNECTED);
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    close_and_stop(c, s);
 }
 
 static void test_daemon_gone_async(void **state)
 {
     int n = 3;
     fake_server *s = fake_start(script_vanish, &n);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     log_ctx log = {0};
     call_ref refs[3];
     for (int i = 0; i < 3; i++) {
@@ -318,9 +339,8 @@ static void script_goodbye(fake_conn *fc, void *arg)
 static void test_goodbye(void **state)
 {
     fake_server *s = fake_start(script_goodbye, NULL);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     log_ctx log = {0};
     call_ref refs[2] = {{&log, 0}, {&log, 1}};
     assert_int_equal(kdac_health_send(c, record_cb, &refs[0], &err), KDAC_OK);
@@ -331,8 +351,7 @@ static void test_goodbye(void **state)
     assert_true(log.s[1].error.retryable);
     assert_contains(log.s[1].error.message, "draining finished");
     assert_int_equal(kdac_client_progress(c), KDAC_E_SHUTTING_DOWN);
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    close_and_stop(c, s);
 }
 
 static void small_frames(kp_hello_result *h)
@@ -354,14 +373,7 @@ static void script_oversized(fake_conn *fc, void *arg)
 static void test_oversized_from_daemon(void **state)
 {
     fake_server *s = fake_start_with(script_oversized, NULL, small_frames);
-    kdac_client *c;
-    kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
-    kdac_health_info h;
-    assert_int_equal(kdac_health(c, &h, &err), KDAC_E_FRAME_TOO_LARGE);
-    assert_contains(err.message, "65537");
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    expect_health_error(s, KDAC_E_FRAME_TOO_LARGE, "65537");
 }
 
 static void script_hello_eof(fake_conn *fc, void *arg)
@@ -375,9 +387,8 @@ static void script_hello_eof(fake_conn *fc, void *arg)
 static void test_oversized_from_client(void **state)
 {
     fake_server *s = fake_start_with(script_hello_eof, NULL, small_frames);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     /* 15 tokens inline (61560 bytes, under max_inline_bytes) plus 255 empty
      * sequences: the frame passes 65536 bytes. */
     uint8_t *in = pattern(TOK(15), 0);
@@ -423,14 +434,7 @@ static void script_wrong_id(fake_conn *fc, void *arg)
 static void test_answer_to_unknown_id(void **state)
 {
     fake_server *s = fake_start(script_wrong_id, NULL);
-    kdac_client *c;
-    kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
-    kdac_health_info h;
-    assert_int_equal(kdac_health(c, &h, &err), KDAC_E_PROTOCOL);
-    assert_contains(err.message, "not in flight");
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    expect_health_error(s, KDAC_E_PROTOCOL, "not in flight");
 }
 
 static void script_read3_eof(fake_conn *fc, void *arg)
@@ -445,9 +449,8 @@ static void script_read3_eof(fake_conn *fc, void *arg)
 static void test_close_cancels(void **state)
 {
     fake_server *s = fake_start(script_read3_eof, NULL);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     log_ctx log = {0};
     call_ref refs[3];
     for (int i = 0; i < 3; i++) {
@@ -509,9 +512,8 @@ static void script_two_health(fake_conn *fc, void *arg)
 static void test_callback_reentry(void **state)
 {
     fake_server *s = fake_start(script_two_health, NULL);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     reentry r = {0};
     second_done = 0;
     assert_int_equal(kdac_health_send(c, reenter_cb, &r, &err), KDAC_OK);
@@ -541,16 +543,14 @@ static void test_spin_then_sleep(void **state)
 {
     int delay_ms = 20;
     fake_server *s = fake_start(script_two_health, &delay_ms);
-    kdac_client *c;
+    kdac_client *c = connect_to(s);
     kdac_error err;
-    assert_int_equal(fake_client_open(s, 10000, &c, &err), KDAC_OK);
     kdac_health_info h;
     assert_int_equal(kdac_client_set_spin(c, 200000, &err), KDAC_OK); /* answer within the spin */
     assert_int_equal(kdac_health(c, &h, &err), KDAC_OK);
     assert_int_equal(kdac_client_set_spin(c, 1000, &err), KDAC_OK); /* answer after it */
     assert_int_equal(kdac_health(c, &h, &err), KDAC_OK);
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    close_and_stop(c, s);
 }
 
 /* Reads n requests and answers none, until the client hangs up. */
@@ -580,8 +580,7 @@ static void test_spin_bounded_by_timeout(void **state)
     const double took = mono_ms() - t0;
     if (took < 90 || took > 700)
         fail_msg("a 100 ms timeout with a 1 s spin took %.0f ms", took);
-    kdac_client_close(c);
-    assert_int_equal(fake_stop(s), 0);
+    close_and_stop(c, s);
 }
 
 int main(void)

@@ -218,14 +218,8 @@ static void test_memory(void **unused)
     dh_layer l;
     start(&d, "cuda_split_scratch: 64MiB\n");
     dh_connect(&c, &d);
-    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "test"};
-    uint32_t id = dh_id(&c);
-    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
-    dh_send(&c);
-    dh_expect_result(&c, id);
     kp_hello_result hr;
-    assert_int_equal(kp_hello_result_decode(&c.msg, &hr, NULL), KP_OK);
-    kp_session_from_hello(&c.session, &hr);
+    dh_hello_result(&c, &hr);
     const kp_memory m = hr.memory;
     assert_true(hr.has_memory);
     assert_true(m.pool == 64 * kp_state_bytes(DH_HEADS, KP_DTYPE_F32));
@@ -558,45 +552,11 @@ static void test_chunked_continuation(void **unused)
     dh_stop(&d);
 }
 
-static uint64_t fork_slot(dh_client *c, uint64_t src, const uint64_t *dst, uint64_t *pos)
-{
-    kp_slot_fork_params p = {src, dst != NULL, dst ? *dst : 0};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_slot_fork_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-    kp_slot_fork_result r;
-    assert_int_equal(kp_slot_fork_result_decode(&c->msg, &r, NULL), KP_OK);
-    *pos = r.pos;
-    return r.slot;
-}
-
 static void write_state(dh_client *c, uint64_t slot, uint64_t pos, kp_dtype dtype,
                         const void *state)
 {
-    kp_slot_write_params p = {slot, pos, dtype,
-                              kp_ref_inline(state, DH_STATE_ELEMS * kp_dtype_size(dtype))};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_slot_write_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-}
-
-static void read_bf16(dh_client *c, uint64_t slot, uint16_t *state)
-{
-    kp_slot_read_params p;
-    memset(&p, 0, sizeof(p));
-    p.slot = slot;
-    p.has_dtype = true;
-    p.dtype = KP_DTYPE_BF16;
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_slot_read_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-    kp_slot_read_result r;
-    assert_int_equal(kp_slot_read_result_decode(&c->msg, &c->session, &r, NULL), KP_OK);
-    assert_int_equal(r.dtype, KP_DTYPE_BF16);
-    memcpy(state, r.state.data, DH_STATE_ELEMS * 2);
+    dh_write_state(c, slot, pos, dtype,
+                   kp_ref_inline(state, DH_STATE_ELEMS * kp_dtype_size(dtype)));
 }
 
 /* Runs the same tokens on several slots: the outputs must be identical. */
@@ -638,10 +598,10 @@ static void test_fork_snapshot_restore(void **unused)
     dh_recv_prefill(&c, id, &s, NULL);
 
     /* fork into a new slot and into an existing one */
-    uint64_t f = fork_slot(&c, a, NULL, &pos);
+    uint64_t f = dh_fork(&c, a, NULL, &pos);
     assert_int_equal(pos, 200);
     assert_true(f != a && f != dst);
-    assert_int_equal(fork_slot(&c, a, &dst, &pos), dst);
+    assert_int_equal(dh_fork(&c, a, &dst, &pos), dst);
     assert_int_equal(slot_info(&c, dst, NULL).pos, 200);
     uint64_t three[3] = {a, f, dst};
     same_continuation(&c, three, 3, &next, 200);
@@ -661,7 +621,7 @@ static void test_fork_snapshot_restore(void **unused)
 
     /* a bf16 snapshot restores exactly its bf16 values into the f32 pool */
     uint16_t *half = malloc(DH_STATE_ELEMS * 2);
-    read_bf16(&c, a, half);
+    dh_read_state_as(&c, a, KP_DTYPE_BF16, half);
     assert_int_equal(dh_read_state(&c, a, snap), 296);
     for (size_t i = 0; i < DH_STATE_ELEMS; i++)
         assert_int_equal(half[i], kda_f32_to_bf16(snap[i]));
@@ -673,7 +633,7 @@ static void test_fork_snapshot_restore(void **unused)
 
     /* a new slot reads as zeros, and so does its fork */
     uint64_t z = dh_alloc(&c);
-    uint64_t zf = fork_slot(&c, z, NULL, &pos);
+    uint64_t zf = dh_fork(&c, z, NULL, &pos);
     assert_int_equal(pos, 0);
     assert_int_equal(dh_read_state(&c, zf, back), 0);
     for (size_t i = 0; i < DH_STATE_ELEMS; i++)

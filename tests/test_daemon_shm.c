@@ -97,8 +97,13 @@ static uint32_t send_prefill(dh_client *c, const kp_prefill_seq *q)
     return id;
 }
 
-static void setup_client(dh_client *c, const dh_daemon *d, dh_layer *l, test_rng *r)
+/* A daemon started with cfg (the test is skipped where it cannot start), a
+ * client that said hello and registered layer "L" (made from seed). */
+static void start(dh_daemon *d, const char *cfg, uint64_t seed, dh_client *c, dh_layer *l,
+                  test_rng *r)
 {
+    dh_start_or_skip(d, cfg);
+    rng_seed(r, seed);
     dh_connect(c, d);
     dh_hello(c);
     dh_layer_make(l, r);
@@ -114,9 +119,7 @@ static void test_shm_matches_inline(void **unused)
     dh_layer l;
     dh_seq s;
     test_rng r;
-    dh_start_or_skip(&d, yaml);
-    rng_seed(&r, 21);
-    setup_client(&c, &d, &l, &r);
+    start(&d, yaml, 21, &c, &l, &r);
     dh_seq_make(&s, &r, 77);
     uint64_t a = dh_alloc(&c), b = dh_alloc(&c);
 
@@ -195,9 +198,7 @@ static void run_chain(const char *cfg, const dh_seq *s, uint32_t split, uint16_t
     dh_client c;
     dh_layer l;
     test_rng r;
-    dh_start_or_skip(&d, cfg);
-    rng_seed(&r, 5);
-    setup_client(&c, &d, &l, &r);
+    start(&d, cfg, 5, &c, &l, &r);
     uint64_t slot = dh_alloc(&c);
     uint32_t lens[2] = {split, s->len - split};
     layout lay[2] = {plan(lens[0], 0), {{0}, 0}};
@@ -267,9 +268,7 @@ static void test_shm_hostile_references(void **unused)
     dh_client c;
     dh_layer l;
     test_rng r;
-    dh_start_or_skip(&d, yaml);
-    rng_seed(&r, 22);
-    setup_client(&c, &d, &l, &r);
+    start(&d, yaml, 22, &c, &l, &r);
     uint64_t a = dh_alloc(&c);
     layout lay = plan(10, 0);
     int fd = dh_memfd(lay.size, true);
@@ -395,9 +394,7 @@ static void test_shm_release_and_lifetime(void **unused)
     dh_layer l;
     dh_seq s;
     test_rng r;
-    dh_start_or_skip(&d, yaml);
-    rng_seed(&r, 23);
-    setup_client(&c, &d, &l, &r);
+    start(&d, yaml, 23, &c, &l, &r);
     dh_seq_make(&s, &r, 3000);
     uint64_t a = dh_alloc(&c);
     layout lay = plan(3000, 0);

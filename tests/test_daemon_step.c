@@ -118,39 +118,6 @@ static void recv_step(dh_client *c, uint32_t id, const step_req *q, uint64_t *po
         *res_out = res;
 }
 
-static uint64_t alloc_flags(dh_client *c, bool zero)
-{
-    kp_slot_alloc_params p = {1, zero};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_slot_alloc_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-    kp_slot_list r;
-    assert_int_equal(kp_slot_alloc_result_decode(&c->msg, &r, NULL), KP_OK);
-    return r.slots[0];
-}
-
-static uint64_t fork_slot(dh_client *c, uint64_t src)
-{
-    kp_slot_fork_params p = {src, false, 0};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_slot_fork_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-    kp_slot_fork_result r;
-    assert_int_equal(kp_slot_fork_result_decode(&c->msg, &r, NULL), KP_OK);
-    return r.slot;
-}
-
-static void write_state(dh_client *c, uint64_t slot, uint64_t pos, kp_ref state)
-{
-    kp_slot_write_params p = {slot, pos, KP_DTYPE_F32, state};
-    uint32_t id = dh_id(c);
-    assert_int_equal(kp_slot_write_params_encode(&c->w, id, &p, NULL), KP_OK);
-    dh_send(c);
-    dh_expect_result(c, id);
-}
-
 static uint64_t prefill(dh_client *c, uint64_t slot, const dh_seq *s, uint16_t *out)
 {
     uint32_t id = dh_send_prefill(c, "L", slot, s, -1);
@@ -181,13 +148,8 @@ static void test_hello_feature(void **unused)
     dh_client c;
     dh_start_or_skip(&d, yaml);
     dh_connect(&c, &d);
-    kp_hello_params hp = {{KP_PROTOCOL_VERSION}, 1, "test_daemon_step"};
-    uint32_t id = dh_id(&c);
-    assert_int_equal(kp_hello_params_encode(&c.w, id, &hp, NULL), KP_OK);
-    dh_send(&c);
-    dh_expect_result(&c, id);
     kp_hello_result hr;
-    assert_int_equal(kp_hello_result_decode(&c.msg, &hr, NULL), KP_OK);
+    dh_hello_result(&c, &hr);
     bool found = false;
     for (uint32_t i = 0; i < hr.nfeatures; i++)
         found |= strcmp(hr.features[i], KP_FEATURE_STEP) == 0;
@@ -303,9 +265,9 @@ static void test_step_chunked_equals_prefill(void **unused)
     step_req q = {.n = 2, .s = &s};
     q.lens[0] = 12;
     q.lens[1] = 3;
-    uint64_t p1 = fork_slot(&c, root), p2 = fork_slot(&c, root);
-    q.slots[0] = fork_slot(&c, root);
-    q.slots[1] = fork_slot(&c, root);
+    uint64_t p1 = dh_fork(&c, root, NULL, NULL), p2 = dh_fork(&c, root, NULL, NULL);
+    q.slots[0] = dh_fork(&c, root, NULL, NULL);
+    q.slots[1] = dh_fork(&c, root, NULL, NULL);
     uint16_t *out = malloc(DH_TOKEN_BYTES(15)), *pout = malloc(DH_TOKEN_BYTES(15));
     uint64_t pos[2];
     uint32_t id = send_step(&c, "L", &q);
@@ -416,7 +378,7 @@ static void test_step_rollback(void **unused)
     dh_seq_make(&next, &r, 1);
     uint64_t root = dh_alloc(&c);
     prefill(&c, root, &base, NULL);
-    uint64_t spec = fork_slot(&c, root), ref = fork_slot(&c, root);
+    uint64_t spec = dh_fork(&c, root, NULL, NULL), ref = dh_fork(&c, root, NULL, NULL);
     /* the region: K states (f32 pool), then the draft's output */
     const size_t states_bytes = K * STATE_F32, size = states_bytes + DH_TOKEN_BYTES(K);
     int fd = dh_memfd(size, true);
@@ -440,7 +402,8 @@ static void test_step_rollback(void **unused)
     assert_memory_equal(x, map + (K - 1) * STATE_F32, STATE_F32);
 
     /* accept J: roll back */
-    write_state(&c, spec, 5 + J, kp_ref_region(region, (J - 1) * STATE_F32, STATE_F32));
+    dh_write_state(&c, spec, 5 + J, KP_DTYPE_F32,
+                   kp_ref_region(region, (J - 1) * STATE_F32, STATE_F32));
     step_req qr = {.n = 1, .s = &draft};
     qr.slots[0] = ref;
     qr.lens[0] = J;
@@ -771,7 +734,7 @@ static void test_step_refusals(void **unused)
     q.has_expect = false;
 
     /* an empty slot has no state to continue */
-    q.slots[1] = alloc_flags(&c, false);
+    q.slots[1] = dh_alloc_flags(&c, false);
     id = send_step(&c, "L", &q);
     dh_expect_error(&c, id, KP_E_STATE_LOST, "slots[1]");
     assert_true(dh_read_state(&c, a, x) == 2);
@@ -779,7 +742,7 @@ static void test_step_refusals(void **unused)
     /* positions never wrap */
     for (size_t i = 0; i < DH_STATE_ELEMS; i++)
         x[i] = (float)(i % 89) / 89.0f - 0.5f;
-    write_state(&c, b, UINT64_MAX - 2, kp_ref_inline(x, STATE_F32));
+    dh_write_state(&c, b, UINT64_MAX - 2, KP_DTYPE_F32, kp_ref_inline(x, STATE_F32));
     q.slots[1] = b;
     q.lens[1] = 3;
     id = send_step(&c, "L", &q);

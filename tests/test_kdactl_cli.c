@@ -80,6 +80,22 @@ static void expect_no_text(const char *text, const char *part)
         fail_msg("\"%s\" has \"%s\"", text, part);
 }
 
+/* The command exited with code, its stderr saying part; r is then freed. */
+static void expect_stderr(cmd_result r, int code, const char *part)
+{
+    expect_exit(&r, code);
+    expect_text(r.err, part);
+    cmd_free(&r);
+}
+
+/* The command exited with code, its stdout saying part; r is then freed. */
+static void expect_stdout(cmd_result r, int code, const char *part)
+{
+    expect_exit(&r, code);
+    expect_text(r.out, part);
+    cmd_free(&r);
+}
+
 /* The text of the file at path (at most cap - 1 bytes; "" when it cannot be read), which is
  * then removed. */
 static void take_file(const char *path, char *text, size_t cap)
@@ -183,10 +199,7 @@ static void test_typos(void **state)
         assert_true(lines <= 2);
         cmd_free(&r);
     }
-    cmd_result r = run(KDACTL, "zzzzzz", NULL);
-    expect_exit(&r, 2);
-    expect_text(r.err, "unknown command 'zzzzzz'\n");
-    cmd_free(&r);
+    expect_stderr(run(KDACTL, "zzzzzz", NULL), 2, "unknown command 'zzzzzz'\n");
 }
 
 static void script_silent(fake_conn *fc, void *arg)
@@ -212,10 +225,8 @@ static void test_default_timeouts(void **state)
         assert_int_equal(fake_stop(s), 0);
     }
     fake_server *s = fake_start(script_silent, NULL);
-    cmd_result r = run(KDACTL, "ping", "--socket", fake_path(s), "--timeout", "0.2", NULL);
-    expect_exit(&r, 7);
-    expect_text(r.err, "within 200 ms");
-    cmd_free(&r);
+    expect_stderr(run(KDACTL, "ping", "--socket", fake_path(s), "--timeout", "0.2", NULL),
+                  7, "within 200 ms");
     assert_int_equal(fake_stop(s), 0);
 }
 
@@ -227,18 +238,11 @@ static void test_messages(void **state)
     expect_text(r.err, "kdactl: --timeout needs a value");
     expect_no_text(r.err, "kdactl :");
     cmd_free(&r);
-    r = run(KDACTL, "--timeout", "x", "health", NULL);
-    expect_exit(&r, 2);
-    expect_text(r.err, "kdactl: --timeout: 'x' is not a number of seconds");
-    cmd_free(&r);
-    r = run(KDACTL, ":", NULL);
-    expect_exit(&r, 2);
-    expect_text(r.err, "kdactl: unknown command ':'");
-    cmd_free(&r);
-    r = kdactl(S, "prefill", "--input", "/nonexistent/in.safetensors", NULL);
-    expect_exit(&r, 5);
-    expect_text(r.err, "kdactl: /nonexistent/in.safetensors: No such file or directory\n");
-    cmd_free(&r);
+    expect_stderr(run(KDACTL, "--timeout", "x", "health", NULL),
+                  2, "kdactl: --timeout: 'x' is not a number of seconds");
+    expect_stderr(run(KDACTL, ":", NULL), 2, "kdactl: unknown command ':'");
+    expect_stderr(kdactl(S, "prefill", "--input", "/nonexistent/in.safetensors", NULL),
+                  5, "kdactl: /nonexistent/in.safetensors: No such file or directory\n");
     r = kdactl(S, "prefill", "--input", "/etc/passwd", NULL);
     expect_exit(&r, 5);
     expect_text(r.err, "kdactl: /etc/passwd: not a safetensors file (");
@@ -290,19 +294,13 @@ static void test_dtype_spellings(void **state)
         assert_int_not_equal(r.status, 2);
         cmd_free(&r);
     }
-    cmd_result r = kdactl(S, "slot", "save", handle, "--output", out, "--dtype", "f16", NULL);
-    expect_exit(&r, 2);
-    expect_text(r.err, "'f16' is neither bf16 (bfloat16) nor f32 (fp32, float32)");
-    cmd_free(&r);
+    expect_stderr(kdactl(S, "slot", "save", handle, "--output", out, "--dtype", "f16", NULL),
+                  2, "'f16' is neither bf16 (bfloat16) nor f32 (fp32, float32)");
     kdac_client_close(c);
-    r = run(KDAD, "--print-config", "--state-dtype", "float32", NULL);
-    expect_exit(&r, 0);
-    expect_text(r.out, "state_dtype: f32  # --state-dtype");
-    cmd_free(&r);
-    r = run(KDAD, "--print-config", "--state-dtype", "bfloat16", NULL);
-    expect_exit(&r, 0);
-    expect_text(r.out, "state_dtype: bf16  # --state-dtype");
-    cmd_free(&r);
+    expect_stdout(run(KDAD, "--print-config", "--state-dtype", "float32", NULL),
+                  0, "state_dtype: f32  # --state-dtype");
+    expect_stdout(run(KDAD, "--print-config", "--state-dtype", "bfloat16", NULL),
+                  0, "state_dtype: bf16  # --state-dtype");
     unlink(out);
     rmdir(dir);
 }
@@ -374,10 +372,7 @@ static void test_bench_interrupt(void **state)
     close(fd);
     usleep(1500 * 1000);
     /* the layer is registered while it runs */
-    cmd_result r = kdactl(S, "layer", "list", NULL);
-    expect_exit(&r, 0);
-    expect_text(r.out, "kdactl.");
-    cmd_free(&r);
+    expect_stdout(kdactl(S, "layer", "list", NULL), 0, "kdactl.");
     double t0 = now_s();
     kill(pid, SIGINT);
     int st;
@@ -389,7 +384,7 @@ static void test_bench_interrupt(void **state)
         fail_msg("kdactl bench after SIGINT: status %d\n%s", st, text);
     expect_text(text, "(interrupted: the results so far)");
     expect_text(text, "throughput");
-    r = kdactl(S, "layer", "list", NULL);
+    cmd_result r = kdactl(S, "layer", "list", NULL);
     expect_exit(&r, 0);
     expect_no_text(r.out, "kdactl.");
     cmd_free(&r);
@@ -432,10 +427,8 @@ static void test_prefill_check(void **state)
     st_writer_free(w);
     st_close(a);
     st_close(b);
-    r = kdactl(S, "prefill", "--input", mixed, "--check", NULL);
-    expect_exit(&r, 1);
-    expect_text(r.out, "ABOVE the accuracy contract");
-    cmd_free(&r);
+    expect_stdout(kdactl(S, "prefill", "--input", mixed, "--check", NULL),
+                  1, "ABOVE the accuracy contract");
     unlink(mixed);
 
     r = kdactl(S, "prefill", "--random", "--tokens", "16", "--heads", "4", "--check", NULL);
@@ -458,10 +451,8 @@ static void test_kdad_config_flags(void **state)
     assert_true(write(fd, r.out, strlen(r.out)) == (ssize_t)strlen(r.out));
     close(fd);
     cmd_free(&r);
-    r = run(KDAD, "--check-config", cfg, NULL);
-    expect_exit(&r, 0);
-    expect_text(r.out, "ok (backend auto, 2 heads, 8 slots, 0 layers)");
-    cmd_free(&r);
+    expect_stdout(run(KDAD, "--check-config", cfg, NULL),
+                  0, "ok (backend auto, 2 heads, 8 slots, 0 layers)");
     r = run(KDAD, "--print-config", "--config", cfg, NULL);
     expect_exit(&r, 0);
     char want[128];
@@ -470,14 +461,8 @@ static void test_kdad_config_flags(void **state)
     cmd_free(&r);
     unlink(cfg);
 
-    r = run(KDAD, "--check-config", NULL);
-    expect_exit(&r, 0);
-    expect_text(r.out, "built-in configuration: ok");
-    cmd_free(&r);
-    r = run(KDAD, "--check-config", "--heads", "0", NULL);
-    expect_exit(&r, 2);
-    expect_text(r.err, "--heads");
-    cmd_free(&r);
+    expect_stdout(run(KDAD, "--check-config", NULL), 0, "built-in configuration: ok");
+    expect_stderr(run(KDAD, "--check-config", "--heads", "0", NULL), 2, "--heads");
     r = run(KDAD, "--bogus", NULL);
     expect_exit(&r, 2);
     expect_text(r.err, "kdad --help lists the options");
@@ -498,10 +483,8 @@ static void test_kdad_socket_path(void **state)
     expect_no_text(r.err, "backend cpu:"); /* no pool was allocated */
     assert_true(now_s() - t0 < 10);
     cmd_free(&r);
-    r = run(KDAD, "--backend", "cpu", "--heads", "2", "--socket", "/etc/passwd", NULL);
-    expect_exit(&r, 2);
-    expect_text(r.err, "the path exists and is not a socket");
-    cmd_free(&r);
+    expect_stderr(run(KDAD, "--backend", "cpu", "--heads", "2", "--socket", "/etc/passwd", NULL),
+                  2, "the path exists and is not a socket");
 }
 
 /* --backend auto without a usable GPU: the log says plainly that the CPU backend was chosen

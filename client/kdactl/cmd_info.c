@@ -36,42 +36,56 @@ static const char *transports_text(uint32_t t, char *buf, size_t size)
     return buf;
 }
 
-static json_object *limits_json(const kdac_limits *l)
+typedef struct named_u64 {
+    const char *name;
+    uint64_t value;
+} named_u64;
+
+/* A JSON object of unsigned numbers, in the table's order. */
+static json_object *u64s_json(const named_u64 *v, size_t n)
 {
     json_object *o = json_object_new_object();
-    json_object_object_add(o, "max_frame_bytes", json_u64(l->max_frame_bytes));
-    json_object_object_add(o, "max_inline_bytes", json_u64(l->max_inline_bytes));
-    json_object_object_add(o, "max_batch_tokens", json_u64(l->max_batch_tokens));
-    json_object_object_add(o, "max_batch_seqs", json_u64(l->max_batch_seqs));
-    json_object_object_add(o, "max_seqs_per_request", json_u64(l->max_seqs_per_request));
-    json_object_object_add(o, "max_slots_per_client", json_u64(l->max_slots_per_client));
-    json_object_object_add(o, "max_regions_per_client", json_u64(l->max_regions_per_client));
-    json_object_object_add(o, "max_inflight_requests", json_u64(l->max_inflight_requests));
-    json_object_object_add(o, "max_inflight_bytes", json_u64(l->max_inflight_bytes));
-    json_object_object_add(o, "max_layers", json_u64(l->max_layers));
+    for (size_t i = 0; i < n; i++)
+        json_object_object_add(o, v[i].name, json_u64(v[i].value));
     return o;
+}
+
+static json_object *limits_json(const kdac_limits *l)
+{
+    const named_u64 v[] = {
+        {"max_frame_bytes", l->max_frame_bytes},
+        {"max_inline_bytes", l->max_inline_bytes},
+        {"max_batch_tokens", l->max_batch_tokens},
+        {"max_batch_seqs", l->max_batch_seqs},
+        {"max_seqs_per_request", l->max_seqs_per_request},
+        {"max_slots_per_client", l->max_slots_per_client},
+        {"max_regions_per_client", l->max_regions_per_client},
+        {"max_inflight_requests", l->max_inflight_requests},
+        {"max_inflight_bytes", l->max_inflight_bytes},
+        {"max_layers", l->max_layers},
+    };
+    return u64s_json(v, sizeof(v) / sizeof(v[0]));
 }
 
 /* The clients.* bounds, named as the daemon's configuration keys. */
 static json_object *client_bounds_json(const kdac_bounds *b)
 {
-    json_object *o = json_object_new_object();
-    json_object_object_add(o, "max_connections", json_u64(b->max_connections));
-    json_object_object_add(o, "max_connections_per_uid", json_u64(b->max_connections_per_uid));
-    json_object_object_add(o, "max_inflight_bytes_per_uid",
-                           json_u64(b->max_inflight_bytes_per_uid));
-    json_object_object_add(o, "max_inflight_bytes_total", json_u64(b->max_inflight_bytes_total));
-    json_object_object_add(o, "output_hard_limit", json_u64(b->output_hard_limit));
-    json_object_object_add(o, "output_soft_limit", json_u64(b->output_soft_limit));
-    json_object_object_add(o, "output_soft_seconds", json_u64(b->output_soft_seconds));
-    json_object_object_add(o, "max_output_bytes_per_uid", json_u64(b->max_output_bytes_per_uid));
-    json_object_object_add(o, "max_output_bytes_total", json_u64(b->max_output_bytes_total));
-    json_object_object_add(o, "max_region_bytes_per_connection",
-                           json_u64(b->max_region_bytes_per_connection));
-    json_object_object_add(o, "max_region_bytes_per_uid", json_u64(b->max_region_bytes_per_uid));
-    json_object_object_add(o, "frame_stall_seconds", json_u64(b->frame_stall_seconds));
-    json_object_object_add(o, "output_stall_seconds", json_u64(b->output_stall_seconds));
-    return o;
+    const named_u64 v[] = {
+        {"max_connections", b->max_connections},
+        {"max_connections_per_uid", b->max_connections_per_uid},
+        {"max_inflight_bytes_per_uid", b->max_inflight_bytes_per_uid},
+        {"max_inflight_bytes_total", b->max_inflight_bytes_total},
+        {"output_hard_limit", b->output_hard_limit},
+        {"output_soft_limit", b->output_soft_limit},
+        {"output_soft_seconds", b->output_soft_seconds},
+        {"max_output_bytes_per_uid", b->max_output_bytes_per_uid},
+        {"max_output_bytes_total", b->max_output_bytes_total},
+        {"max_region_bytes_per_connection", b->max_region_bytes_per_connection},
+        {"max_region_bytes_per_uid", b->max_region_bytes_per_uid},
+        {"frame_stall_seconds", b->frame_stall_seconds},
+        {"output_stall_seconds", b->output_stall_seconds},
+    };
+    return u64s_json(v, sizeof(v) / sizeof(v[0]));
 }
 
 /* A byte count for text output ("48.0 MiB"). */
@@ -104,15 +118,16 @@ static void bounds_text(const kdac_bounds *b)
 /* The daemon's memory by use (hello and stats "memory"). */
 static json_object *memory_json(const kdac_memory *m)
 {
-    json_object *o = json_object_new_object();
-    json_object_object_add(o, "pool", json_u64(m->pool));
-    json_object_object_add(o, "staging", json_u64(m->staging));
-    json_object_object_add(o, "scratch", json_u64(m->scratch));
-    json_object_object_add(o, "kernel", json_u64(m->kernel));
-    json_object_object_add(o, "lanes", json_u64(m->lanes));
-    json_object_object_add(o, "layers", json_u64(m->layers));
-    json_object_object_add(o, "total", json_u64(m->total));
-    return o;
+    const named_u64 v[] = {
+        {"pool", m->pool},
+        {"staging", m->staging},
+        {"scratch", m->scratch},
+        {"kernel", m->kernel},
+        {"lanes", m->lanes},
+        {"layers", m->layers},
+        {"total", m->total},
+    };
+    return u64s_json(v, sizeof(v) / sizeof(v[0]));
 }
 
 /* One line: "  memory      1.5 GiB (device): pool 1.0 GiB, staging ..." */
@@ -381,12 +396,13 @@ static json_object *counters_json(const kdac_counter *c, uint32_t n)
 
 static json_object *held_json(const kdac_held *h)
 {
-    json_object *o = json_object_new_object();
-    json_object_object_add(o, "inflight_bytes", json_u64(h->inflight_bytes));
-    json_object_object_add(o, "partial_bytes", json_u64(h->partial_bytes));
-    json_object_object_add(o, "output_bytes", json_u64(h->output_bytes));
-    json_object_object_add(o, "region_bytes", json_u64(h->region_bytes));
-    return o;
+    const named_u64 v[] = {
+        {"inflight_bytes", h->inflight_bytes},
+        {"partial_bytes", h->partial_bytes},
+        {"output_bytes", h->output_bytes},
+        {"region_bytes", h->region_bytes},
+    };
+    return u64s_json(v, sizeof(v) / sizeof(v[0]));
 }
 
 static void stats_json(const kdac_stats_info *s, const kdac_usage_info *u)
